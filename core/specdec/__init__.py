@@ -1,0 +1,80 @@
+"""specdec: plugin-based speculative decoding for MLX.
+
+Public API::
+
+    import specdec
+    pipe = specdec.assemble("path/to/model", policy="copy")
+    for r in pipe.stream("prompt", max_tokens=256):
+        print(r.text, end="")
+    out = pipe.generate("prompt", max_tokens=256)
+    out.text, out.tokens, out.stats
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    ModelLoadError,
+    PluginConflictError,
+    PolicyError,
+    RequestError,
+    SpecdecError,
+    UnknownComponentError,
+)
+from .hookspecs import hookimpl
+from .pipeline import GenerationResult, Pipeline, StreamResponse, assemble
+from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host
+from .policy import PRESETS, Policy, load_policy
+from .roles import (
+    Acceptance,
+    Acceptor,
+    BaseDrafter,
+    BaseGovernor,
+    CacheRollback,
+    Draft,
+    Drafter,
+    Governor,
+    LayerTransaction,
+    RequestContext,
+    RoundResult,
+    Verifier,
+    VerifyResult,
+)
+from .sampling import Sampler
+from .stats import Stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Acceptance",
+    "Acceptor",
+    "BaseDrafter",
+    "BaseGovernor",
+    "CacheRollback",
+    "Draft",
+    "Drafter",
+    "GenerationResult",
+    "Governor",
+    "LayerTransaction",
+    "ModelLoadError",
+    "PRESETS",
+    "Pipeline",
+    "PluginConflictError",
+    "Policy",
+    "PolicyError",
+    "RequestContext",
+    "RequestError",
+    "RoundResult",
+    "Sampler",
+    "SpecdecError",
+    "Stats",
+    "StreamResponse",
+    "UnknownComponentError",
+    "Verifier",
+    "VerifyResult",
+    "assemble",
+    "get_plugin_host",
+    "get_plugin_manager",
+    "hookimpl",
+    "load_policy",
+    "reset_plugin_host",
+]

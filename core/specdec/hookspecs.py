@@ -1,0 +1,44 @@
+"""Hook specifications of specdec: one registration hook per role.
+
+Each hook receives a ``register`` callback. Call it once per component::
+
+    register(name: str, factory: Callable[..., Component], *, description: str = "")
+
+``factory(**options)`` is called once per request with the options the policy
+gives for ``name`` and returns the component. Components are resolved once per
+request; no hook is called inside the per-token loop.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "specdec"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def specdec_register_drafters(register):
+    """Register Drafter factories: ``register(name, factory, description=...)``."""
+
+
+@hookspec
+def specdec_register_verifiers(register):
+    """Register Verifier factories: ``register(name, factory, description=...)``."""
+
+
+@hookspec
+def specdec_register_acceptors(register):
+    """Register Acceptor factories: ``register(name, factory, description=...)``."""
+
+
+@hookspec
+def specdec_register_cache_rollbacks(register):
+    """Register CacheRollback factories: ``register(name, factory, description=...)``."""
+
+
+@hookspec
+def specdec_register_governors(register):
+    """Register Governor factories: ``register(name, factory, description=...)``."""

@@ -1,0 +1,326 @@
+"""The plugin host: a pluggy manager, entry-point loading, and the component registry.
+
+Plugins are found through the entry-point group ``specdec``. A plugin whose
+import or ``load()`` raises is skipped and recorded as a :class:`PluginFailure`;
+a plugin that fails pluggy validation, or two distributions registering the
+same component name, is a :class:`~specdec.errors.PluginConflictError`.
+
+Environment:
+    ``SPECDEC_PLUGINS``: comma-separated allow-list of distribution names to
+    load third-party plugins from (empty string: none). Unset: all.
+    ``SPECDEC_TRACE_PLUGINS=1``: print every hook call to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+import importlib_metadata
+import pluggy
+
+from . import hookspecs
+from .errors import PluginConflictError, UnknownComponentError
+from .roles import ROLES
+
+ENTRY_POINT_GROUP = "specdec"
+CORE_DISTRIBUTION = "specdec-core"
+
+#: Which distribution provides a component that is not installed, for error messages.
+KNOWN_PROVIDERS: dict[str, str] = {
+    "ngram_copy": "specdec-plugin-ngram",
+    "copy_governor": "specdec-plugin-copy-governor",
+    "qwen_mtp": "specdec-plugin-qwen-mtp-gdn",
+    "gdn_transaction": "specdec-plugin-qwen-mtp-gdn",
+    "gemma4_mtp": "specdec-plugin-gemma4-mtp",
+    "coarse_head": "specdec-plugin-coarse-head",
+}
+
+_HOOK_BY_ROLE = {
+    "drafter": "specdec_register_drafters",
+    "verifier": "specdec_register_verifiers",
+    "acceptor": "specdec_register_acceptors",
+    "cache_rollback": "specdec_register_cache_rollbacks",
+    "governor": "specdec_register_governors",
+}
+
+
+def core_version() -> str:
+    """The installed version of specdec-core (``0+unknown`` when run from a source tree)."""
+    try:
+        return importlib_metadata.version(CORE_DISTRIBUTION)
+    except importlib_metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@attrs.frozen
+class ComponentInfo:
+    """One registered component: its role, name, factory and where it came from."""
+
+    role: str
+    name: str
+    factory: Callable[..., Any]
+    plugin: str
+    distribution: str
+    version: str
+    description: str = ""
+
+
+@attrs.frozen
+class PluginInfo:
+    """A loaded plugin: entry-point name, distribution and version."""
+
+    name: str
+    distribution: str
+    version: str
+
+
+@attrs.frozen
+class PluginFailure:
+    """A plugin that could not be loaded, and why."""
+
+    entry_point: str
+    distribution: str
+    version: str
+    core_version: str
+    error: str
+
+
+class PluginHost:
+    """A pluggy plugin manager plus the registry of components it produced."""
+
+    def __init__(self, *, load_entry_points: bool = True, entry_points: Iterable[Any] | None = None):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: list[PluginInfo] = []
+        self.failures: list[PluginFailure] = []
+        self._dist_of: dict[str, PluginInfo] = {}
+        self.components: dict[str, dict[str, ComponentInfo]] = {role: {} for role in ROLES}
+        self.trace = os.environ.get("SPECDEC_TRACE_PLUGINS", "") not in ("", "0")
+        if self.trace:
+            self.pm.trace.root.setwriter(lambda s: sys.stderr.write(f"specdec trace: {s}"))
+            self.pm.enable_tracing()
+
+        from . import builtins as _builtins
+
+        self.register_plugin(_builtins, name="specdec.builtins", distribution=CORE_DISTRIBUTION)
+        if load_entry_points:
+            eps = entry_points if entry_points is not None else _entry_points()
+            self._load_entry_points(eps)
+        self._collect()
+
+    # -- loading -----------------------------------------------------------------
+
+    def _load_entry_points(self, eps: Iterable[Any]) -> None:
+        allow = os.environ.get("SPECDEC_PLUGINS")
+        allowed = None if allow is None else {a.strip() for a in allow.split(",") if a.strip()}
+        for ep in eps:
+            dist_name, dist_version = _dist_of(ep)
+            if allowed is not None and dist_name not in allowed:
+                continue
+            try:
+                obj = ep.load()
+            except Exception as exc:  # a broken plugin must not stop the program
+                self.failures.append(
+                    PluginFailure(
+                        entry_point=ep.name,
+                        distribution=dist_name,
+                        version=dist_version,
+                        core_version=core_version(),
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
+                )
+                print(
+                    f"specdec: skipped plugin {ep.name!r} from {dist_name} {dist_version} "
+                    f"(specdec-core {core_version()}): {type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                )
+                continue
+            self.register_plugin(obj, name=ep.name, distribution=dist_name, version=dist_version)
+
+    def register_plugin(
+        self, obj: Any, *, name: str, distribution: str, version: str | None = None
+    ) -> None:
+        """Register a plugin module or object (tests use this to add plugins by hand).
+
+        Raises:
+            PluginConflictError: the plugin fails pluggy validation (names the distribution).
+        """
+        version = version or (core_version() if distribution == CORE_DISTRIBUTION else "unknown")
+        try:
+            self.pm.register(obj, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginConflictError(
+                f"plugin {name!r} from distribution {distribution} {version} is invalid: {exc}"
+            ) from exc
+        except ValueError as exc:  # already registered under that name
+            other = self._dist_of.get(name)
+            raise PluginConflictError(
+                f"plugin name {name!r} is registered twice: by "
+                f"{other.distribution if other else 'another distribution'} and by {distribution}"
+            ) from exc
+        info = PluginInfo(name=name, distribution=distribution, version=version)
+        self._dist_of[name] = info
+        self.plugins.append(info)
+
+    def _collect(self) -> None:
+        for role in ROLES:
+            self.components[role] = {}
+        for role, hook_name in _HOOK_BY_ROLE.items():
+            hook = getattr(self.pm.hook, hook_name)
+            for impl in reversed(hook.get_hookimpls()):  # registration order
+                plugin = self._dist_of.get(impl.plugin_name) or PluginInfo(
+                    impl.plugin_name, "unknown", "unknown"
+                )
+                self._call_register(role, hook_name, impl, plugin)
+
+    def _call_register(self, role: str, hook_name: str, impl: Any, plugin: PluginInfo) -> None:
+        table = self.components[role]
+
+        def register(name: str, factory: Callable[..., Any], *, description: str = "") -> None:
+            if not isinstance(name, str) or not name:
+                raise PluginConflictError(
+                    f"plugin {plugin.name!r} ({plugin.distribution}) registered a {role} "
+                    f"with an invalid name {name!r}: expected a non-empty string"
+                )
+            if not callable(factory):
+                raise PluginConflictError(
+                    f"plugin {plugin.name!r} ({plugin.distribution}) registered {role} {name!r} "
+                    f"with a factory that is not callable: {factory!r}"
+                )
+            if name in table:
+                other = table[name]
+                raise PluginConflictError(
+                    f"{role} {name!r} is registered by two distributions: "
+                    f"{other.distribution} (plugin {other.plugin!r}) and "
+                    f"{plugin.distribution} (plugin {plugin.name!r})"
+                )
+            table[name] = ComponentInfo(
+                role=role,
+                name=name,
+                factory=factory,
+                plugin=plugin.name,
+                distribution=plugin.distribution,
+                version=plugin.version,
+                description=description,
+            )
+
+        if self.trace:
+            print(
+                f"specdec trace: {hook_name}(register) -> plugin {plugin.name!r} "
+                f"({plugin.distribution} {plugin.version})",
+                file=sys.stderr,
+            )
+        impl.function(register=register)
+
+    # -- lookup ------------------------------------------------------------------
+
+    def names(self, role: str) -> list[str]:
+        """Installed component names for ``role``, sorted."""
+        return sorted(self.components[role])
+
+    def get(self, role: str, name: str) -> ComponentInfo:
+        """Look up a component.
+
+        Raises:
+            UnknownComponentError: naming what is installed and which distribution
+                would provide ``name`` when that is known.
+        """
+        try:
+            return self.components[role][name]
+        except KeyError:
+            pass
+        installed = ", ".join(self.names(role)) or "(none)"
+        hint = ""
+        if name in KNOWN_PROVIDERS:
+            hint = f"; {name!r} is provided by {KNOWN_PROVIDERS[name]} (pip install {KNOWN_PROVIDERS[name]})"
+        else:
+            for other_role in ROLES:
+                if other_role != role and name in self.components[other_role]:
+                    hint = f"; {name!r} is a {other_role}, not a {role}"
+        raise UnknownComponentError(f"unknown {role} {name!r}: installed {role}s are {installed}{hint}")
+
+    def create(self, role: str, name: str, options: dict | None = None) -> Any:
+        """Instantiate component ``name`` of ``role`` with ``options``.
+
+        Raises:
+            UnknownComponentError: ``name`` is not installed.
+            PolicyError: the factory rejected the options.
+        """
+        from .errors import PolicyError
+
+        info = self.get(role, name)
+        try:
+            return info.factory(**(options or {}))
+        except TypeError as exc:
+            raise PolicyError(
+                f"bad options for {role} {name!r} ({info.distribution}): {exc}; "
+                f"got {sorted((options or {}).keys())}"
+            ) from exc
+
+    def to_dict(self, *, include_builtins: bool = True) -> dict:
+        """A JSON-able description of plugins, components and failures."""
+        plugins = []
+        for p in self.plugins:
+            if not include_builtins and p.distribution == CORE_DISTRIBUTION:
+                continue
+            comps = {
+                role: sorted(n for n, c in self.components[role].items() if c.plugin == p.name)
+                for role in ROLES
+            }
+            plugins.append(
+                {
+                    "name": p.name,
+                    "distribution": p.distribution,
+                    "version": p.version,
+                    "components": {r: v for r, v in comps.items() if v},
+                }
+            )
+        return {
+            "core_version": core_version(),
+            "plugins": plugins,
+            "failures": [attrs.asdict(f) for f in self.failures],
+        }
+
+
+def _entry_points() -> list[Any]:
+    return list(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _dist_of(ep: Any) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return ("unknown", "unknown")
+    try:
+        return (dist.metadata["Name"] or dist.name, dist.version)
+    except Exception:  # pragma: no cover - defensive: odd metadata
+        return (getattr(dist, "name", "unknown"), getattr(dist, "version", "unknown"))
+
+
+_host: PluginHost | None = None
+_lock = threading.Lock()
+
+
+def get_plugin_host() -> PluginHost:
+    """The process-wide plugin host, created on first use."""
+    global _host
+    with _lock:
+        if _host is None:
+            _host = PluginHost()
+        return _host
+
+
+def reset_plugin_host(host: PluginHost | None = None) -> None:
+    """Drop (or replace) the process-wide host; the next :func:`get_plugin_host` reloads plugins."""
+    global _host
+    with _lock:
+        _host = host
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The pluggy manager of the process-wide host."""
+    return get_plugin_host().pm
