@@ -22,6 +22,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .pipeline import GenerationResult, Pipeline, StreamResponse, assemble
+from .sampling import validate_request
 from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host
 from .policy import PRESETS, Policy, load_policy
 from .roles import (
@@ -77,4 +78,5 @@ __all__ = [
     "hookimpl",
     "load_policy",
     "reset_plugin_host",
+    "validate_request",
 ]

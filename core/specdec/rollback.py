@@ -1,0 +1,210 @@
+"""Built-in cache rollbacks and the per-request rollback plan.
+
+* ``kv_trim``: ``KVCache``, ``QuantizedKVCache``, ``ConcatenateKVCache``,
+  ``ChunkedKVCache``: trim the rejected tail (abort trims back to ``begin``).
+* ``rotating_window``: ``RotatingKVCache``, exact also after the window has
+  wrapped. A multi-token verify goes through mlx-lm's concatenating update,
+  which leaves the buffer in temporal order; the rejected tail is then cut off
+  physically (mlx-lm's own ``trim`` only moves an index and leaves the
+  rejected keys in the buffer, where a later in-place update finds them).
+* ``cache_list``: ``CacheList`` and other composites, by delegating each child.
+
+A cache nothing can roll back (mlx-lm's ``ArraysCache`` for instance) makes
+the request fall back to plain decoding, with the reason in ``stats``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models import cache as mlx_cache
+
+
+class RollbackUnavailable(Exception):
+    """No registered rollback supports a cache; the message says which."""
+
+
+class _TrimTransaction:
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.offset = cache.offset
+
+    def commit(self, n_fed: int, n_keep: int) -> None:
+        if n_fed > n_keep:
+            self.cache.trim(n_fed - n_keep)
+
+    def abort(self) -> None:
+        extra = self.cache.offset - self.offset
+        if extra > 0:
+            self.cache.trim(extra)
+
+
+class KVTrimRollback:
+    """Rollback by trimming for caches whose ``trim(n)`` is exact."""
+
+    name = "kv_trim"
+    TYPES = tuple(
+        t
+        for t in (
+            getattr(mlx_cache, "KVCache", None),
+            getattr(mlx_cache, "QuantizedKVCache", None),
+            getattr(mlx_cache, "ConcatenateKVCache", None),
+            getattr(mlx_cache, "ChunkedKVCache", None),
+        )
+        if t is not None
+    )
+
+    def supports(self, cache: Any) -> bool:
+        """Exactly the listed types (subclasses may change ``trim``)."""
+        return type(cache) in self.TYPES
+
+    def begin(self, cache: Any) -> _TrimTransaction:
+        """Remember the offset."""
+        return _TrimTransaction(cache)
+
+
+class _RotatingTransaction:
+    def __init__(self, cache: Any):
+        self.cache = cache
+        # ``x[...]`` is a new array object: a later in-place write to the
+        # cache's buffer cannot change the snapshot.
+        self.keys = None if cache.keys is None else cache.keys[...]
+        self.values = None if cache.values is None else cache.values[...]
+        self.offset = cache.offset
+        self.idx = cache._idx
+
+    def commit(self, n_fed: int, n_keep: int) -> None:
+        drop = n_fed - n_keep
+        if drop <= 0:
+            return
+        c = self.cache
+        if c._idx != c.keys.shape[2]:
+            raise RuntimeError(
+                "RotatingKVCache is not in temporal order after a multi-token update; "
+                "cannot roll back exactly"
+            )
+        end = c._idx - drop
+        c.keys = c.keys[..., :end, :]
+        c.values = c.values[..., :end, :]
+        c.offset -= drop
+        c._idx = end
+
+    def abort(self) -> None:
+        c = self.cache
+        c.keys, c.values, c.offset, c._idx = self.keys, self.values, self.offset, self.idx
+
+
+class RotatingWindowRollback:
+    """Exact rollback of ``RotatingKVCache`` (sliding-window attention), also after wrapping."""
+
+    name = "rotating_window"
+
+    def supports(self, cache: Any) -> bool:
+        """``RotatingKVCache`` exactly."""
+        return type(cache) is mlx_cache.RotatingKVCache
+
+    def begin(self, cache: Any) -> _RotatingTransaction:
+        """Snapshot the buffer references and indices."""
+        return _RotatingTransaction(cache)
+
+
+class _CompositeTransaction:
+    def __init__(self, children: list):
+        self.children = children
+
+    def commit(self, n_fed: int, n_keep: int) -> None:
+        for t in self.children:
+            t.commit(n_fed, n_keep)
+
+    def abort(self) -> None:
+        for t in reversed(self.children):
+            t.abort()
+
+
+class CacheListRollback:
+    """Delegates each child of a ``CacheList`` to the rollback that supports it."""
+
+    name = "cache_list"
+
+    def __init__(self) -> None:
+        self._plan: RollbackPlan | None = None
+
+    def bind(self, plan: RollbackPlan) -> None:
+        """Called by the plan so children can be resolved."""
+        self._plan = plan
+
+    def supports(self, cache: Any) -> bool:
+        """``CacheList`` whose children are all supported."""
+        if type(cache) is not getattr(mlx_cache, "CacheList", ()):
+            return False
+        if self._plan is None:
+            return False
+        return all(self._plan.find(c) is not None for c in cache.caches)
+
+    def begin(self, cache: Any) -> _CompositeTransaction:
+        """Open one transaction per child."""
+        assert self._plan is not None
+        return _CompositeTransaction([self._plan.find(c).begin(c) for c in cache.caches])
+
+
+class RollbackPlan:
+    """Which rollback handles each layer of a cache list, for one request.
+
+    Args:
+        caches: the model's per-layer caches.
+        rollbacks: rollback instances in order of preference.
+        forced: a rollback tried first for every layer (the policy's ``rollback``
+            when it is not ``auto``).
+    """
+
+    def __init__(self, caches: list, rollbacks: list, forced: Any = None):
+        self.caches = caches
+        self.rollbacks = ([forced] if forced is not None else []) + [r for r in rollbacks if r is not forced]
+        for r in self.rollbacks:
+            if hasattr(r, "bind"):
+                r.bind(self)
+        self.assigned: list = []
+        self.missing: list[str] = []
+        for i, c in enumerate(caches):
+            r = self.find(c)
+            self.assigned.append(r)
+            if r is None:
+                self.missing.append(f"{type(c).__name__} (layer {i})")
+
+    def find(self, cache: Any) -> Any:
+        """The first rollback supporting ``cache``, or ``None``."""
+        for r in self.rollbacks:
+            try:
+                if r.supports(cache):
+                    return r
+            except Exception:  # a plugin's supports() must not break the request
+                continue
+        return None
+
+    @property
+    def ok(self) -> bool:
+        """Whether every layer can be rolled back."""
+        return not self.missing
+
+    @property
+    def reason(self) -> str | None:
+        """Why speculation is off for this cache list, or ``None``."""
+        if self.ok:
+            return None
+        kinds = sorted({m.split(" ")[0] for m in self.missing})
+        return (
+            f"no cache rollback for {', '.join(kinds)} ({len(self.missing)} layer(s), e.g. {self.missing[0]}); "
+            "install a plugin that registers one (e.g. specdec-plugin-qwen-mtp-gdn for gated-delta-net models)"
+        )
+
+    def names(self) -> list[str]:
+        """Names of the rollbacks in use, in first-use order."""
+        seen: list[str] = []
+        for r in self.assigned:
+            if r is not None and r.name not in seen:
+                seen.append(r.name)
+        return seen
+
+    def begin(self) -> _CompositeTransaction:
+        """Open a transaction over the whole cache list."""
+        return _CompositeTransaction([r.begin(c) for r, c in zip(self.assigned, self.caches)])

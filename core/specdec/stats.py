@@ -1,0 +1,91 @@
+"""Per-request statistics."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define
+class Stats:
+    """What happened in one request.
+
+    Attributes:
+        policy: the policy's name.
+        prompt_tokens: prompt length in tokens.
+        generation_tokens: tokens emitted.
+        target_forwards: target forwards during decoding (prefill excluded).
+        drafted: draft tokens verified.
+        accepted: draft tokens accepted.
+        rounds_with_draft: rounds that verified a non-empty block.
+        prompt_time_s / decode_time_s: wall time of prefill / of decoding.
+        peak_memory_gb: MLX peak memory during the request.
+        per_drafter: ``{name: {"rounds", "drafted", "accepted", ...drafter stats}}``.
+        speculation_off_reason: why speculation did not run, or ``None``.
+        acceptors: how many rounds each acceptor decided.
+        verifier: the verifier's name.
+        rollbacks: names of the cache rollbacks in use.
+        governor: the governor's ``stats()`` (empty without a governor).
+        finish_reason: ``"stop"`` or ``"length"``.
+    """
+
+    policy: str = "none"
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds_with_draft: int = 0
+    prompt_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    per_drafter: dict = attrs.field(factory=dict)
+    speculation_off_reason: str | None = None
+    acceptors: dict = attrs.field(factory=dict)
+    verifier: str = "logits"
+    rollbacks: list = attrs.field(factory=list)
+    governor: dict = attrs.field(factory=dict)
+    finish_reason: str | None = None
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Emitted tokens per target forward."""
+        return self.generation_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        """Prompt tokens per second of prefill."""
+        return self.prompt_tokens / self.prompt_time_s if self.prompt_time_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Generated tokens per second of decoding (prefill excluded)."""
+        return self.generation_tokens / self.decode_time_s if self.decode_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict with the derived rates included."""
+        d = attrs.asdict(self)
+        d.update(
+            tokens_per_forward=self.tokens_per_forward,
+            acceptance_rate=self.acceptance_rate,
+            prompt_tps=self.prompt_tps,
+            decode_tps=self.decode_tps,
+        )
+        return d
+
+    def summary(self) -> str:
+        """One line: decode tok/s, tokens per forward, acceptance."""
+        s = (
+            f"decode {self.decode_tps:.1f} tok/s, prompt {self.prompt_tps:.1f} tok/s, "
+            f"{self.generation_tokens} tokens in {self.target_forwards} forwards "
+            f"({self.tokens_per_forward:.2f} tok/forward), "
+            f"acceptance {self.acceptance_rate:.0%} ({self.accepted}/{self.drafted}), "
+            f"peak {self.peak_memory_gb:.2f} GB"
+        )
+        if self.speculation_off_reason:
+            s += f", speculation off: {self.speculation_off_reason}"
+        return s

@@ -1,0 +1,385 @@
+"""Assertions of the test kit: greedy identity, cache equality, distributions, forwards."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..pipeline import assemble
+from ..plugins import PluginHost, get_plugin_host, reset_plugin_host
+from ..policy import Policy, load_policy
+from ..sampling import Sampler
+
+
+@contextlib.contextmanager
+def plugin_host(*plugins: Any, load_entry_points: bool = True) -> Iterator[PluginHost]:
+    """A fresh plugin host with ``plugins`` registered by hand, installed process-wide for the block.
+
+    Args:
+        plugins: plugin modules or objects with ``@specdec.hookimpl`` functions
+            (each registered under its ``__name__`` or class name, distribution ``"test"``).
+        load_entry_points: also load installed plugins.
+    """
+    from .oracle import oracle_plugin
+
+    host = PluginHost(load_entry_points=load_entry_points)
+    for p in (oracle_plugin, *plugins):
+        name = getattr(p, "__name__", None) or type(p).__name__
+        if host.pm.is_registered(p) or name in {i.name for i in host.plugins}:
+            continue
+        host.register_plugin(p, name=name, distribution="test")
+    host._collect()
+    previous = get_plugin_host() if _has_host() else None
+    reset_plugin_host(host)
+    try:
+        yield host
+    finally:
+        reset_plugin_host(previous)
+
+
+def _has_host() -> bool:
+    from .. import plugins
+
+    return plugins._host is not None
+
+
+def _host_with_oracle() -> PluginHost:
+    host = get_plugin_host()
+    if "oracle" not in host.components["drafter"]:
+        from .oracle import oracle_plugin
+
+        host.register_plugin(oracle_plugin, name="specdec.testing.oracle", distribution="test")
+        host._collect()
+    return host
+
+
+def _pipes(model: Any, policy: Any, tokenizer: Any = None):
+    host = _host_with_oracle()
+    pol = load_policy(policy)
+    return assemble(model, tokenizer, "none", host=host), assemble(model, tokenizer, pol, host=host)
+
+
+def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def check_greedy_identity(
+    model: Any,
+    policy: Policy | str | dict,
+    prompt_tokens: Sequence[int],
+    *,
+    max_tokens_list: Iterable[int] = range(1, 17),
+    stop_tokens: Sequence[int] | None = None,
+    tokenizer: Any = None,
+    require_drafts: bool = True,
+    **generate_kwargs: Any,
+) -> dict:
+    """Assert greedy output under ``policy`` equals plain decoding, for each ``max_tokens``, and with stop tokens.
+
+    With ``stop_tokens=None`` a stop token is picked from the plain output (a
+    token first seen at its middle) so a stop inside an accepted block is exercised.
+
+    Returns:
+        ``{"drafted", "accepted", "target_forwards", "plain_forwards", "runs"}`` summed over runs.
+
+    Raises:
+        AssertionError: on the first difference (with both streams), or if
+            ``require_drafts`` and nothing was drafted and accepted.
+    """
+    plain, spec = _pipes(model, policy, tokenizer)
+    prompt = list(prompt_tokens)
+    totals = Counter()
+    mts = list(max_tokens_list)
+    for mt in mts:
+        a = plain.generate(prompt, max_tokens=mt, temperature=0.0, **generate_kwargs)
+        b = spec.generate(prompt, max_tokens=mt, temperature=0.0, **generate_kwargs)
+        if a.tokens != b.tokens:
+            i = _first_diff(a.tokens, b.tokens)
+            raise AssertionError(
+                f"greedy stream differs from plain decoding at token {i} (max_tokens={mt}):\n"
+                f"  plain: {a.tokens}\n  spec:  {b.tokens}"
+            )
+        assert len(b.tokens) <= mt, f"max_tokens={mt} exceeded: {len(b.tokens)} tokens"
+        assert a.finish_reason == b.finish_reason, (a.finish_reason, b.finish_reason)
+        _add(totals, b.stats, a.stats)
+    longest = plain.generate(prompt, max_tokens=max(mts + [16]), temperature=0.0, **generate_kwargs).tokens
+    if stop_tokens is None:
+        seen: set = set()
+        candidates = []
+        for i, t in enumerate(longest):
+            if t not in seen and i >= 1:
+                candidates.append((abs(i - len(longest) // 2), i, t))
+            seen.add(t)
+        stop_tokens = [min(candidates)[2]] if candidates else []
+    if stop_tokens:
+        stops = list(stop_tokens)
+        a = plain.generate(prompt, max_tokens=len(longest), temperature=0.0, stop_tokens=stops, **generate_kwargs)
+        b = spec.generate(prompt, max_tokens=len(longest), temperature=0.0, stop_tokens=stops, **generate_kwargs)
+        cut = next((i for i, t in enumerate(longest) if t in stops), None)
+        if a.tokens != b.tokens:
+            raise AssertionError(
+                f"with stop tokens {stops} the stream differs from plain decoding:\n"
+                f"  plain: {a.tokens}\n  spec:  {b.tokens}"
+            )
+        if cut is not None:
+            assert b.finish_reason == "stop", f"stop token inside the output did not end the stream: {b.finish_reason}"
+            assert b.tokens[-1] in stops and len(b.tokens) == cut + 1 or b.tokens == longest[:cut], (
+                f"stream did not end at the stop token (index {cut}): {b.tokens}"
+            )
+        _add(totals, b.stats, a.stats)
+    if require_drafts:
+        assert totals["drafted"] > 0, "no tokens were drafted: speculation did not run"
+        assert totals["accepted"] > 0, "no drafted token was accepted"
+    return dict(totals)
+
+
+def _add(totals: Counter, s: Any, plain: Any) -> None:
+    totals["drafted"] += s.drafted
+    totals["accepted"] += s.accepted
+    totals["target_forwards"] += s.target_forwards
+    totals["plain_forwards"] += plain.target_forwards
+    totals["runs"] += 1
+
+
+def cache_view(cache: Any) -> Any:
+    """What the next query can see in ``cache``, as numpy arrays (temporal order)."""
+    from mlx_lm.models import cache as C
+
+    if hasattr(cache, "caches"):
+        return tuple(cache_view(c) for c in cache.caches)
+    t = type(cache)
+    if t is C.RotatingKVCache:
+        if cache.keys is None:
+            return (cache.offset,)
+        k, v = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+        w = min(cache.offset, cache.max_size - 1)
+        k, v = k[..., k.shape[2] - w :, :], v[..., v.shape[2] - w :, :]
+        return (cache.offset, np.array(k), np.array(v))
+    if t is C.KVCache:
+        if cache.keys is None:
+            return (cache.offset,)
+        o = cache.offset
+        return (o, np.array(cache.keys[..., :o, :]), np.array(cache.values[..., :o, :]))
+    state = cache.state
+    if not isinstance(state, (list, tuple)):
+        state = [state]
+    out = [getattr(cache, "offset", None)]
+    for s in state:
+        out.append(None if s is None else (np.array(s) if isinstance(s, mx.array) else s))
+    return tuple(out)
+
+
+def _compare_views(a: Any, b: Any, atol: float, where: str) -> float:
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.shape == b.shape, f"{where}: shape {getattr(b, 'shape', b)} != {a.shape}"
+        d = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+        assert d <= atol, f"{where}: max abs difference {d:.3g} > {atol}"
+        return d
+    if isinstance(a, (tuple, list)):
+        assert isinstance(b, (tuple, list)) and len(a) == len(b), f"{where}: structure differs"
+        return max([_compare_views(x, y, atol, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))] + [0.0])
+    assert a == b, f"{where}: {b!r} != {a!r}"
+    return 0.0
+
+
+def check_caches_match_plain(
+    model: Any,
+    policy: Policy | str | dict,
+    prompt_tokens: Sequence[int],
+    *,
+    max_tokens: int = 24,
+    atol: float = 1e-4,
+    tokenizer: Any = None,
+    require_drafts: bool = True,
+    **generate_kwargs: Any,
+) -> float:
+    """Assert that after every round the caches equal those of plain decoding of the same text.
+
+    Returns:
+        the largest absolute difference seen.
+    """
+    plain, spec = _pipes(model, policy, tokenizer)
+    prompt = list(prompt_tokens)
+    ref: dict[int, Any] = {}
+    got: dict[int, Any] = {}
+
+    def record(into: dict):
+        def cb(result: Any, caches: list) -> None:
+            n = result.start_position + len(result.committed)
+            into[n] = [cache_view(c) for c in caches]
+
+        return cb
+
+    a = plain.generate(prompt, max_tokens=max_tokens, temperature=0.0, on_round=record(ref), **generate_kwargs)
+    b = spec.generate(prompt, max_tokens=max_tokens, temperature=0.0, on_round=record(got), **generate_kwargs)
+    assert a.tokens == b.tokens, f"streams differ:\n  plain: {a.tokens}\n  spec:  {b.tokens}"
+    if require_drafts:
+        assert b.stats.drafted > 0 and b.stats.accepted > 0, "speculation did not run (nothing drafted/accepted)"
+    worst = 0.0
+    for n, views in got.items():
+        if n not in ref:
+            continue
+        for layer, (r, g) in enumerate(zip(ref[n], views)):
+            worst = max(worst, _compare_views(r, g, atol, f"after {n} tokens, layer {layer}"))
+    return worst
+
+
+def _exact_joint(model: Any, prompt: list[int], sampler: Sampler, depth: int, floor: float = 1e-6) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out: dict[tuple, float] = {}
+
+    def rec(prefix: tuple, prob: float) -> None:
+        if len(prefix) == depth:
+            out[prefix] = prob
+            return
+        cache = make_prompt_cache(model)
+        logits = model(mx.array(prompt + list(prefix))[None], cache=cache)[0, -1:]
+        p = np.array(sampler.probs(logits.astype(mx.float32))[0])
+        for t in np.nonzero(p * prob > floor)[0]:
+            rec(prefix + (int(t),), prob * float(p[t]))
+
+    rec((), 1.0)
+    return out
+
+
+def chi_square_p_value(observed: dict, expected_probs: dict, n: int, min_expected: float = 5.0) -> float:
+    """Chi-square goodness-of-fit p-value, pooling cells with expected count < ``min_expected``."""
+    from scipy.stats import chi2
+
+    cells_o, cells_e = [], []
+    pool_o, pool_e = 0.0, 0.0
+    keys = set(observed) | set(expected_probs)
+    for k in keys:
+        e = expected_probs.get(k, 0.0) * n
+        o = observed.get(k, 0)
+        if e >= min_expected:
+            cells_o.append(o)
+            cells_e.append(e)
+        else:
+            pool_o += o
+            pool_e += e
+    pool_e += max(0.0, n - sum(cells_e) - pool_e)  # mass below the enumeration floor
+    if pool_e > 0:
+        if pool_e < min_expected and cells_e:
+            cells_o[-1] += pool_o
+            cells_e[-1] += pool_e
+        else:
+            cells_o.append(pool_o)
+            cells_e.append(pool_e)
+    elif pool_o > 0:
+        return 0.0
+    stat = sum((o - e) ** 2 / e for o, e in zip(cells_o, cells_e))
+    dof = max(1, len(cells_e) - 1)
+    return float(chi2.sf(stat, dof))
+
+
+def check_sampled_distribution(
+    model: Any,
+    policy: Policy | str | dict,
+    prompt_tokens: Sequence[int],
+    *,
+    temperature: float = 1.0,
+    max_tokens: int = 2,
+    n_samples: int = 1500,
+    alpha: float = 1e-3,
+    tokenizer: Any = None,
+    require_drafts: bool = True,
+    **sampler_kwargs: Any,
+) -> float:
+    """Assert the joint distribution of the first ``max_tokens`` sampled tokens is the target's (chi-square).
+
+    Returns:
+        the p-value (asserted > ``alpha``).
+    """
+    _, spec = _pipes(model, policy, tokenizer)
+    prompt = list(prompt_tokens)
+    sampler = Sampler(temperature=temperature, seed=0, **sampler_kwargs)
+    exact = _exact_joint(model, prompt, sampler, max_tokens)
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(n_samples):
+        out = spec.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=10_000 + seed, **sampler_kwargs)
+        counts[tuple(out.tokens)] += 1
+        drafted += out.stats.drafted
+        accepted += out.stats.accepted
+    if require_drafts:
+        assert drafted > 0 and accepted > 0, f"speculation did not run (drafted={drafted}, accepted={accepted})"
+    p = chi_square_p_value(counts, exact, n_samples)
+    assert p > alpha, f"sampled distribution differs from the target's: chi-square p={p:.3g} (alpha={alpha})"
+    return p
+
+
+def check_sampled_identity(
+    model: Any,
+    policy: Policy | str | dict,
+    prompt_tokens: Sequence[int],
+    *,
+    seeds: Iterable[int] = range(5),
+    max_tokens: int = 16,
+    temperature: float = 1.0,
+    tokenizer: Any = None,
+    **sampler_kwargs: Any,
+) -> dict:
+    """Assert seeded sampled runs with deterministic drafts emit exactly the tokens of the seeded plain run."""
+    plain, spec = _pipes(model, policy, tokenizer)
+    prompt = list(prompt_tokens)
+    totals = Counter()
+    for seed in seeds:
+        a = plain.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, **sampler_kwargs)
+        b = spec.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, **sampler_kwargs)
+        if a.tokens != b.tokens:
+            raise AssertionError(
+                f"seeded sampled stream (seed={seed}) differs from plain seeded decoding at token "
+                f"{_first_diff(a.tokens, b.tokens)}:\n  plain: {a.tokens}\n  spec:  {b.tokens}"
+            )
+        _add(totals, b.stats, a.stats)
+    return dict(totals)
+
+
+def check_fewer_forwards(
+    model: Any,
+    policy: Policy | str | dict,
+    prompt_tokens: Sequence[int],
+    *,
+    max_tokens: int = 32,
+    tokenizer: Any = None,
+    **generate_kwargs: Any,
+) -> tuple[int, int]:
+    """Assert ``policy`` needs fewer target forwards than plain decoding for the same output.
+
+    Returns:
+        ``(plain_forwards, spec_forwards)``.
+    """
+    plain, spec = _pipes(model, policy, tokenizer)
+    a = plain.generate(list(prompt_tokens), max_tokens=max_tokens, temperature=0.0, **generate_kwargs)
+    b = spec.generate(list(prompt_tokens), max_tokens=max_tokens, temperature=0.0, **generate_kwargs)
+    assert a.tokens == b.tokens, "outputs differ"
+    assert b.stats.target_forwards < a.stats.target_forwards, (
+        f"no fewer target forwards: plain {a.stats.target_forwards}, spec {b.stats.target_forwards}"
+    )
+    return a.stats.target_forwards, b.stats.target_forwards
+
+
+def plain_greedy(model: Any, prompt_tokens: Sequence[int], n: int) -> list[int]:
+    """Plain greedy continuation of ``prompt_tokens`` (``n`` tokens) through the ``none`` policy."""
+    pipe = assemble(model, None, "none", host=_host_with_oracle())
+    return pipe.generate(list(prompt_tokens), max_tokens=n, temperature=0.0).tokens
+
+
+def copy_heavy_prompt(model: Any, seed_tokens: Sequence[int], n: int = 24) -> list[int]:
+    """A prompt whose continuation copies text it contains: seed, its greedy continuation, then the seed again."""
+    cont = plain_greedy(model, seed_tokens, n)
+    return list(seed_tokens) + cont + list(seed_tokens)
+
+
+_ = math  # kept for users extending the kit

@@ -1,0 +1,106 @@
+"""Tiny random mlx-lm models for tests (no downloads)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import mlx.core as mx
+
+#: Architectures :func:`make_tiny_model` builds.
+ARCHITECTURES = ("llama", "qwen3", "gemma3")
+
+_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": (
+        "llama",
+        dict(
+            model_type="llama",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3": (
+        "qwen3",
+        dict(
+            model_type="qwen3",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=1024,
+            head_dim=16,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+        ),
+    ),
+    # Sliding window of 8 on two of three layers: it wraps within a short test.
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            model_type="gemma3_text",
+            hidden_size=64,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=8,
+            sliding_window_pattern=3,
+            max_position_embeddings=1024,
+        ),
+    ),
+}
+
+
+def tiny_model_args(arch: str = "llama", *, vocab_size: int = 64, **overrides: Any) -> Any:
+    """The mlx-lm ``ModelArgs`` of a tiny model of ``arch`` (one of :data:`ARCHITECTURES`)."""
+    if arch not in _CONFIGS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHITECTURES}")
+    module_name, cfg = _CONFIGS[arch]
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    cfg = {**cfg, "vocab_size": vocab_size, **overrides}
+    return module.ModelArgs.from_dict(cfg) if hasattr(module.ModelArgs, "from_dict") else module.ModelArgs(**cfg)
+
+
+@functools.lru_cache(maxsize=32)
+def _build(arch: str, vocab_size: int, seed: int, sharpness: float, overrides: tuple) -> Any:
+    module_name, _ = _CONFIGS[arch]
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    args = tiny_model_args(arch, vocab_size=vocab_size, **dict(overrides))
+    mx.random.seed(seed)
+    model = module.Model(args)
+    # Random init gives near-uniform next-token distributions; scaling the
+    # (tied) embeddings makes them peaked like a real model's.
+    emb = model.model.embed_tokens
+    emb.weight = emb.weight * sharpness
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def make_tiny_model(
+    arch: str = "llama", *, vocab_size: int = 64, seed: int = 0, sharpness: float = 2.0, **overrides: Any
+) -> Any:
+    """A tiny random float32 mlx-lm model of ``arch`` (``llama``, ``qwen3``, ``gemma3``).
+
+    Models are cached per arguments; do not mutate them.
+
+    Args:
+        arch: the architecture; ``gemma3`` has a sliding window of 8 that wraps in short tests.
+        vocab_size: vocabulary size.
+        seed: weight init seed.
+        sharpness: scale of the tied embeddings (higher: peakier next-token distributions).
+        overrides: ``ModelArgs`` fields to change.
+    """
+    if arch not in _CONFIGS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHITECTURES}")
+    return _build(arch, vocab_size, seed, float(sharpness), tuple(sorted(overrides.items())))
