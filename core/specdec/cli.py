@@ -169,7 +169,7 @@ def format_stats_line(stats: dict, *, policy: str = "", generated: int | None = 
     if fwd is not None:
         parts.append(f"{fwd} target forwards")
     acc = stats.get("acceptance_rate")
-    acc_s = "n/a" if acc is None else f"{100.0 * acc:.1f}%"
+    acc_s = "n/a" if acc is None or not stats.get("drafted") else f"{100.0 * acc:.1f}%"
     parts.append(
         f"acceptance {acc_s} ({_fmt(stats.get('accepted'), 'd', '0')}/"
         f"{_fmt(stats.get('drafted'), 'd', '0')})"
@@ -259,7 +259,11 @@ def _build_policy(args: argparse.Namespace) -> Any:
     if args.draft_model is not None:
         draft = _check_model_spec(args.draft_model, "--draft-model")
         if "draft_model" not in policy.drafters:
-            policy = attrs.evolve(policy, drafters=(*policy.drafters, "draft_model"))
+            policy = attrs.evolve(
+                policy,
+                name=f"{policy.name}+draft_model",
+                drafters=(*policy.drafters, "draft_model"),
+            )
         policy = policy.with_options("draft_model", model=draft)
     if args.num_draft_tokens is not None:
         if args.num_draft_tokens < 1:

@@ -1,0 +1,553 @@
+"""The ``specdec`` command: plugins, doctor, generate, and bad input.
+
+Runs the CLI in-process through ``specdec.cli.main([...])`` and, once per
+command family, through the installed console script. ``generate`` runs on a
+tiny random llama saved to a temporary folder with a word-level tokenizer
+(no network).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import specdec
+from specdec import blas
+from specdec.cli import format_stats_line, main
+
+WORDS = (
+    "user assistant system : . , the a cat dog sat on mat and ran to house "
+    "hello world is big small red blue one two three"
+).split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
+PROMPT = "the cat sat on the mat"
+STATS_KEYS = {
+    "target_forwards",
+    "drafted",
+    "accepted",
+    "tokens_per_forward",
+    "acceptance_rate",
+    "prompt_tps",
+    "decode_tps",
+    "peak_memory_gb",
+    "per_drafter",
+    "speculation_off_reason",
+}
+
+
+def write_tiny_model(path: Path, *, seed: int = 0) -> Path:
+    """A 2-layer llama with random weights and a word-level tokenizer with a chat template."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import llama
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    config = dict(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=len(vocab),
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+    )
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.random.seed(seed)
+    model.update(tree_map(lambda p: 0.5 * mx.random.normal(p.shape), model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Plain mlx-lm greedy decoding of PROMPT through the chat template."""
+    import mlx_lm
+
+    model, tok = mlx_lm.load(str(tiny_model))
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+
+    def run(max_tokens: int) -> str:
+        return mlx_lm.generate(model, tok, ids, max_tokens=max_tokens)
+
+    return run
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fail the test if the CLI tries to load a model."""
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the input was validated")
+
+    monkeypatch.setattr(specdec, "assemble", boom)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def console_script() -> list[str]:
+    """The installed ``specdec`` console script (next to this interpreter, else on PATH)."""
+    exe = Path(sys.executable).parent / "specdec"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("specdec")
+    if found:
+        return [found]
+    pytest.fail("the specdec console script is not installed (pip install -e .)")
+
+
+def run_script(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*console_script(), *argv],
+        capture_output=True,
+        text=True,
+        input=stdin if stdin is not None else "",
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def assert_usage_error(rc: int, out: str, err: str, needle: str) -> None:
+    assert rc == 2, (rc, out, err)
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) >= 1 and lines[0].startswith("specdec: error: "), err
+    assert needle in err, err
+    assert out == "", out
+
+
+# -- top level -------------------------------------------------------------------
+
+
+def test_help_and_version(capsys):
+    rc, out, _ = run_cli(capsys, "--help")
+    assert rc == 0
+    for cmd in ("generate", "plugins", "doctor"):
+        assert cmd in out
+    rc, out, _ = run_cli(capsys, "--version")
+    assert rc == 0 and specdec.__version__ in out
+
+
+def test_no_command_is_a_usage_error(capsys):
+    rc, out, err = run_cli(capsys)
+    assert rc == 2
+    assert err.startswith("specdec: error: ")
+
+
+def test_unknown_command(capsys):
+    rc, out, err = run_cli(capsys, "frobnicate")
+    assert rc == 2 and "invalid choice" in err and "Traceback" not in err
+
+
+# -- plugins -----------------------------------------------------------------------
+
+
+def test_plugins_json_all_lists_builtins(capsys):
+    rc, out, _ = run_cli(capsys, "plugins", "--all", "--json")
+    assert rc == 0
+    info = json.loads(out)
+    assert set(info) >= {"core_version", "plugins", "failures"}
+    core = [p for p in info["plugins"] if p["distribution"] == "specdec-core"]
+    assert core, info
+    comps = {role: set(names) for p in core for role, names in p["components"].items()}
+    assert "draft_model" in comps.get("drafter", set())
+    assert comps.get("acceptor"), comps
+    assert comps.get("verifier"), comps
+    assert comps.get("cache_rollback"), comps
+    for p in info["plugins"]:
+        assert set(p) >= {"name", "distribution", "version", "components"}
+
+
+def test_plugins_json_hides_builtins_without_all(capsys):
+    rc, out, _ = run_cli(capsys, "plugins", "--json")
+    assert rc == 0
+    info = json.loads(out)
+    assert all(p["distribution"] != "specdec-core" for p in info["plugins"])
+
+
+def test_plugins_text(capsys):
+    rc, out, _ = run_cli(capsys, "plugins", "--all")
+    assert rc == 0
+    assert out.startswith("specdec-core ")
+    assert "drafter: " in out and "draft_model" in out
+
+
+def test_plugins_allow_list_empty(capsys, monkeypatch):
+    monkeypatch.setenv("SPECDEC_PLUGINS", "")
+    specdec.reset_plugin_host()
+    try:
+        rc, out, _ = run_cli(capsys, "plugins")
+        assert rc == 0
+        assert "no third-party plugins" in out
+    finally:
+        monkeypatch.delenv("SPECDEC_PLUGINS")
+        specdec.reset_plugin_host()
+
+
+def test_plugins_failures_are_shown(capsys, monkeypatch):
+    fake = {
+        "core_version": "0.1.0",
+        "plugins": [],
+        "failures": [
+            {
+                "entry_point": "broken",
+                "distribution": "specdec-plugin-broken",
+                "version": "9.9",
+                "core_version": "0.1.0",
+                "error": "ImportError: no module named nope",
+            }
+        ],
+    }
+
+    class Host:
+        def to_dict(self, include_builtins=True):
+            return fake
+
+    monkeypatch.setattr(specdec, "get_plugin_host", lambda: Host())
+    rc, out, _ = run_cli(capsys, "plugins")
+    assert rc == 0
+    assert "failed to load:" in out
+    assert "specdec-plugin-broken 9.9" in out and "ImportError: no module named nope" in out
+
+
+# -- doctor ------------------------------------------------------------------------
+
+
+def test_doctor_json_fields(capsys):
+    rc, out, _ = run_cli(capsys, "doctor", "--json")
+    assert rc == 0
+    r = json.loads(out)
+    for key in (
+        "specdec_core",
+        "python",
+        "mlx",
+        "mlx_lm",
+        "device",
+        "blas",
+        "matmul_gflops",
+        "plugins",
+        "plugin_failures",
+    ):
+        assert key in r, key
+    assert r["python"]["version"].count(".") == 2
+    assert r["mlx"] and r["mlx_lm"]
+    assert r["device"].startswith("Device(")
+    b = r["blas"]
+    for key in ("active", "loaded_libraries", "fast_blas_candidates", "ensure_fast_blas"):
+        assert key in b, key
+    assert r["matmul_gflops"] > 0
+    assert b["matmul_max_abs_error"] < 1e-3
+    assert any(p["distribution"] == "specdec-core" for p in r["plugins"])
+    if sys.platform.startswith("linux"):
+        assert b["loaded_libraries"]
+        # in this process specdec was imported before mlx, so a fast BLAS (if any) is in use
+        if b["fast_blas_candidates"] and not blas.fast_blas_disabled():
+            assert blas.is_fast_blas(b["active"]), b
+
+
+def test_doctor_text(capsys):
+    rc, out, _ = run_cli(capsys, "doctor")
+    assert rc == 0
+    for label in ("mlx ", "mlx-lm", "device", "blas in use", "matmul", "GFLOP/s", "plugins"):
+        assert label in out, label
+
+
+def test_console_script_doctor_and_plugins():
+    proc = run_script("doctor", "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["blas"]["active"] is None or os.path.exists(r["blas"]["active"])
+    if r["blas"]["fast_blas_candidates"]:
+        assert blas.is_fast_blas(r["blas"]["active"]), r["blas"]
+    proc = run_script("plugins", "--all", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert any(p["distribution"] == "specdec-core" for p in json.loads(proc.stdout)["plugins"])
+
+
+# -- generate: bad input --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--max-tokens", "-3"], "max_tokens"),
+        (["--max-tokens", "ten"], "invalid int value"),
+        (["--temp", "-0.5"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--top-k", "-1"], "top_k"),
+        (["--min-p", "2"], "min_p"),
+        (["--policy", "no-such-preset"], "unknown policy 'no-such-preset'"),
+        (["--policy", "/nonexistent/policy.toml"], "cannot read policy file"),
+        (["--num-draft-tokens", "0"], "--num-draft-tokens"),
+        (["--draft-model", "/nonexistent/draft"], "--draft-model"),
+    ],
+)
+def test_generate_bad_input(capsys, no_model_loading, tiny_model, args, needle):
+    rc, out, err = run_cli(capsys, "generate", "--model", str(tiny_model), "--prompt", "hi", *args)
+    assert_usage_error(rc, out, err, needle)
+
+
+def test_generate_missing_model_path(capsys, no_model_loading, tmp_path):
+    missing = tmp_path / "no-such-model"
+    rc, out, err = run_cli(capsys, "generate", "--model", str(missing), "--prompt", "hi")
+    assert_usage_error(rc, out, err, "no such folder")
+    assert str(missing) in err
+
+
+def test_generate_model_is_a_file(capsys, no_model_loading, tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_text("x")
+    rc, out, err = run_cli(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert_usage_error(rc, out, err, "is a file")
+
+
+def test_generate_malformed_policy_toml(capsys, no_model_loading, tiny_model, tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("drafters = [\n")
+    rc, out, err = run_cli(capsys, "generate", "--model", str(tiny_model), "--policy", str(p))
+    assert_usage_error(rc, out, err, "not valid TOML")
+
+
+def test_generate_policy_with_unknown_component(capsys, no_model_loading, tiny_model, tmp_path):
+    p = tmp_path / "unknown.toml"
+    p.write_text('drafters = ["no_such_drafter"]\n')
+    rc, out, err = run_cli(capsys, "generate", "--model", str(tiny_model), "--policy", str(p))
+    assert_usage_error(rc, out, err, "no_such_drafter")
+
+
+def test_generate_empty_stdin(capsys, no_model_loading, tiny_model, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("  \n"))
+    rc, out, err = run_cli(capsys, "generate", "--model", str(tiny_model), "--prompt", "-")
+    assert_usage_error(rc, out, err, "empty prompt")
+
+
+def test_generate_validates_before_default_model(capsys, no_model_loading, monkeypatch):
+    fake = types.ModuleType("specdec.models.default")
+
+    def default_model_path(**kwargs):
+        raise AssertionError("the default model was prepared before the input was validated")
+
+    fake.default_model_path = default_model_path
+    monkeypatch.setitem(sys.modules, "specdec.models.default", fake)
+    rc, out, err = run_cli(capsys, "generate", "--max-tokens", "0")
+    assert_usage_error(rc, out, err, "max_tokens")
+
+
+def test_generate_default_model_unavailable(capsys, no_model_loading, monkeypatch):
+    fake = types.ModuleType("specdec.models.default")
+
+    def default_model_path(**kwargs):
+        raise RuntimeError("the default model package is not installed")
+
+    fake.default_model_path = default_model_path
+    monkeypatch.setitem(sys.modules, "specdec.models.default", fake)
+    rc, out, err = run_cli(capsys, "generate", "--prompt", "hi")
+    assert_usage_error(rc, out, err, "built-in default model")
+    assert "not installed" in err and "--model" in err
+
+
+def test_console_script_bad_input_exits_2():
+    proc = run_script("generate", "--max-tokens", "0", "--prompt", "hi")
+    assert proc.returncode == 2, proc
+    assert proc.stderr.startswith("specdec: error: max_tokens"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_script("generate", "--model", "/nonexistent/model", "--prompt", "hi")
+    assert proc.returncode == 2 and "no such folder" in proc.stderr, proc.stderr
+
+
+# -- generate: real runs on the tiny model ------------------------------------------
+
+
+def test_generate_streams_plain_greedy_text(capsys, tiny_model, reference):
+    rc, out, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model), "--prompt", PROMPT, "--max-tokens", "12"
+    )
+    assert rc == 0, err
+    assert out == reference(12) + "\n"
+
+
+def test_generate_json(capsys, tiny_model, reference):
+    rc, out, err = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_model),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "10",
+        "--json",
+    )
+    assert rc == 0, err
+    obj = json.loads(out)  # exactly one JSON object on stdout
+    assert set(obj) >= {"text", "tokens", "stats"}
+    assert obj["text"] == reference(10)
+    assert 1 <= len(obj["tokens"]) <= 10
+    if obj.get("finish_reason") == "length":
+        assert len(obj["tokens"]) == 10
+    assert STATS_KEYS <= set(obj["stats"]), set(obj["stats"])
+    assert obj["stats"]["speculation_off_reason"]  # policy "none" has no drafter
+
+
+def test_generate_stats_line(capsys, tiny_model):
+    rc, out, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model), "--prompt", PROMPT, "-m", "8", "--stats"
+    )
+    assert rc == 0, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("specdec: ")]
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert "decode" in line and "tok/s" in line
+    assert "tokens/forward" in line and "acceptance" in line
+
+
+def test_generate_draft_model_accepts_everything_and_keeps_text(capsys, tiny_model, reference):
+    rc, out, err = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_model),
+        "--draft-model",
+        str(tiny_model),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "12",
+        "--json",
+    )
+    assert rc == 0, err
+    obj = json.loads(out)
+    assert obj["text"] == reference(12)
+    st = obj["stats"]
+    assert st["drafted"] > 0 and st["accepted"] == st["drafted"]
+    assert st["acceptance_rate"] == pytest.approx(1.0)
+    assert st["tokens_per_forward"] > 1.0
+    assert "draft_model" in st["per_drafter"]
+
+
+def test_generate_prompt_from_stdin(capsys, tiny_model, monkeypatch, reference):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    rc, out, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model), "--prompt", "-", "--max-tokens", "6"
+    )
+    assert rc == 0, err
+    assert out == reference(6) + "\n"
+
+
+def test_generate_chat_template_flags(capsys, tiny_model):
+    def prompt_tokens(*extra: str) -> int:
+        rc, out, err = run_cli(
+            capsys,
+            "generate",
+            "--model",
+            str(tiny_model),
+            "--prompt",
+            PROMPT,
+            "-m",
+            "2",
+            "--json",
+            *extra,
+        )
+        assert rc == 0, err
+        st = json.loads(out)["stats"]
+        if "prompt_tokens" not in st:
+            pytest.skip("stats has no prompt_tokens")
+        return st["prompt_tokens"]
+
+    raw = prompt_tokens("--ignore-chat-template")
+    chat = prompt_tokens()
+    system = prompt_tokens("--system-prompt", "be small")
+    assert raw == len(PROMPT.split())
+    assert chat > raw
+    assert system > chat
+
+
+def test_generate_seeded_sampling_is_reproducible(capsys, tiny_model):
+    def tokens() -> list[int]:
+        rc, out, err = run_cli(
+            capsys,
+            "generate",
+            "--model",
+            str(tiny_model),
+            "--prompt",
+            PROMPT,
+            "-m",
+            "12",
+            "--temp",
+            "1.0",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "7",
+            "--json",
+        )
+        assert rc == 0, err
+        return json.loads(out)["tokens"]
+
+    assert tokens() == tokens()
+
+
+def test_console_script_generate(tiny_model, reference):
+    proc = run_script("generate", "--model", str(tiny_model), "--prompt", PROMPT, "-m", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == reference(5) + "\n"
+
+
+def test_format_stats_line_without_drafts():
+    line = format_stats_line(
+        {
+            "decode_tps": 12.5,
+            "prompt_tps": 100.0,
+            "tokens_per_forward": 1.0,
+            "acceptance_rate": 0.0,
+            "drafted": 0,
+            "accepted": 0,
+            "target_forwards": 4,
+            "speculation_off_reason": "policy 'none' has no drafters",
+        },
+        policy="none",
+        generated=4,
+    )
+    assert "acceptance n/a" in line and "12.5 tok/s" in line and "speculation off" in line
