@@ -12,6 +12,11 @@ Public API::
 
 from __future__ import annotations
 
+# Before anything imports mlx: bind MLX's CPU matmuls to a fast BLAS when one is installed.
+from . import blas as _blas
+
+_blas.ensure_fast_blas()
+
 from .errors import (
     ModelLoadError,
     PluginConflictError,
@@ -22,7 +27,6 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .pipeline import GenerationResult, Pipeline, StreamResponse, assemble
-from .sampling import validate_request
 from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host
 from .policy import PRESETS, Policy, load_policy
 from .roles import (
@@ -40,7 +44,7 @@ from .roles import (
     Verifier,
     VerifyResult,
 )
-from .sampling import Sampler
+from .sampling import Sampler, validate_request
 from .stats import Stats
 
 __version__ = "0.1.0"

@@ -87,7 +87,9 @@ class RejectionAcceptor:
                 total = residual.sum().item()
                 if total <= 0:  # p == q exactly: any draw from p is correct
                     residual = p[i]
-                tok = sampler.sample_scaled(mx.log(residual)[None], [positions[i]], STREAM_RESIDUAL)[0]
+                tok = sampler.sample_scaled(
+                    mx.log(residual)[None], [positions[i]], STREAM_RESIDUAL
+                )[0]
                 return Acceptance(n_accepted=i, token=int(tok))
         tok = sampler.sample(logits[k : k + 1], [positions[k]], STREAM_TOKEN)[0]
         return Acceptance(n_accepted=k, token=int(tok))

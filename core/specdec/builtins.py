@@ -31,13 +31,19 @@ def specdec_register_acceptors(register):
     """Register ``greedy``, ``point_mass`` and ``rejection``."""
     from .acceptors import GreedyAcceptor, PointMassAcceptor, RejectionAcceptor
 
-    register("greedy", GreedyAcceptor, description="exact prefix of the target's argmax (temperature 0)")
+    register(
+        "greedy", GreedyAcceptor, description="exact prefix of the target's argmax (temperature 0)"
+    )
     register(
         "point_mass",
         PointMassAcceptor,
         description="deterministic drafts under sampling, residual correction, position-keyed",
     )
-    register("rejection", RejectionAcceptor, description="Leviathan rejection sampling with draft probabilities q")
+    register(
+        "rejection",
+        RejectionAcceptor,
+        description="Leviathan rejection sampling with draft probabilities q",
+    )
 
 
 @hookimpl
@@ -45,7 +51,9 @@ def specdec_register_cache_rollbacks(register):
     """Register ``kv_trim``, ``rotating_window`` and ``cache_list``."""
     from .rollback import CacheListRollback, KVTrimRollback, RotatingWindowRollback
 
-    register("kv_trim", KVTrimRollback, description="KVCache / QuantizedKVCache: trim the rejected tail")
+    register(
+        "kv_trim", KVTrimRollback, description="KVCache / QuantizedKVCache: trim the rejected tail"
+    )
     register(
         "rotating_window",
         RotatingWindowRollback,

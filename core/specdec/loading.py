@@ -28,7 +28,9 @@ def check_model_path(spec: str | os.PathLike, *, what: str = "model") -> None:
                 "(config.json, *.safetensors, tokenizer files) or a Hugging Face Hub id"
             )
         if not p.is_dir():
-            raise ModelLoadError(f"{what} path {s!r} is a file: expected an mlx-lm model folder or a Hub id")
+            raise ModelLoadError(
+                f"{what} path {s!r} is a file: expected an mlx-lm model folder or a Hub id"
+            )
         return
     if _looks_like_path(s):
         raise ModelLoadError(

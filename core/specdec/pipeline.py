@@ -41,6 +41,8 @@ class StreamResponse:
         position: absolute position of the token.
         finish_reason: ``None``, or ``"stop"``/``"length"`` on the last response.
         stats: the request's :class:`Stats` (final on the last response).
+        is_stop_token: the last response of a stream ended by a stop token carries
+            that token here; it is not part of the output (as in mlx-lm).
     """
 
     text: str
@@ -49,11 +51,12 @@ class StreamResponse:
     position: int
     finish_reason: str | None = None
     stats: Stats | None = None
+    is_stop_token: bool = False
 
 
 @attrs.frozen
 class GenerationResult:
-    """The whole output of :meth:`Pipeline.generate`."""
+    """The whole output of :meth:`Pipeline.generate` (``tokens`` excludes a final stop token)."""
 
     text: str
     tokens: list
@@ -106,6 +109,7 @@ class _Row:
     max_tokens: int
     n_out: int = 0
     text: str = ""
+    pending: str = ""
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -120,7 +124,9 @@ class Pipeline:
     names and options fail before any model work) and reset per request.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, policy: Policy, *, host: PluginHost | None = None):
+    def __init__(
+        self, model: Any, tokenizer: Any, policy: Policy, *, host: PluginHost | None = None
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
@@ -163,13 +169,17 @@ class Pipeline:
     ) -> list[int]:
         """Tokenize ``text``, through the tokenizer's chat template when it has one and ``chat_template``."""
         if self.tokenizer is None:
-            raise RequestError("this pipeline has no tokenizer: pass the prompt as a list of token ids")
+            raise RequestError(
+                "this pipeline has no tokenizer: pass the prompt as a list of token ids"
+            )
         if chat_template and getattr(self.tokenizer, "chat_template", None):
             messages = []
             if system_prompt:
                 messages.append({"role": "system", "content": system_prompt})
             messages.append({"role": "user", "content": text})
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return [int(t) for t in ids]
@@ -178,13 +188,17 @@ class Pipeline:
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("this pipeline has no tokenizer: pass the prompt as a list of token ids")
+                raise RequestError(
+                    "this pipeline has no tokenizer: pass the prompt as a list of token ids"
+                )
             ids = [int(t) for t in self.tokenizer.encode(prompt)]
         else:
             try:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError) as exc:
-                raise RequestError(f"prompt must be a string or a sequence of token ids, got {prompt!r}") from exc
+                raise RequestError(
+                    f"prompt must be a string or a sequence of token ids, got {prompt!r}"
+                ) from exc
         if not ids:
             raise RequestError("prompt is empty: give at least one token")
         v = _vocab_size(self.model)
@@ -202,11 +216,14 @@ class Pipeline:
         text = []
         last = None
         for r in self.stream(prompt, **kwargs):
-            tokens.append(r.token)
+            if not r.is_stop_token:
+                tokens.append(r.token)
             text.append(r.text)
             last = r
         assert last is not None
-        return GenerationResult(text="".join(text), tokens=tokens, stats=last.stats, finish_reason=last.finish_reason)
+        return GenerationResult(
+            text="".join(text), tokens=tokens, stats=last.stats, finish_reason=last.finish_reason
+        )
 
     def stream(
         self,
@@ -260,7 +277,9 @@ class Pipeline:
             min_p=min_p,
             min_tokens_to_keep=min_tokens_to_keep,
         )
-        if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
+        if stop is not None and (
+            isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)
+        ):
             raise RequestError(f"stop must be a list of non-empty strings, got {stop!r}")
         ids = self._prompt_ids(prompt)
         sampler = Sampler(
@@ -288,7 +307,9 @@ class Pipeline:
             history=ids,
             sampler=sampler,
             caches=make_prompt_cache(self.model),
-            stats=Stats(policy=self.policy.name, prompt_tokens=len(ids), verifier=self.verifier.name),
+            stats=Stats(
+                policy=self.policy.name, prompt_tokens=len(ids), verifier=self.verifier.name
+            ),
             processors=processors,
             stop_ids=stop_ids,
             stop_strings=tuple(stop or ()),
@@ -296,12 +317,21 @@ class Pipeline:
         )
         return self._run(row, prefill_step_size, on_round)
 
-    def _run(self, row: _Row, prefill_step_size: int, on_round: Callable | None) -> Iterator[StreamResponse]:
+    def _run(
+        self, row: _Row, prefill_step_size: int, on_round: Callable | None
+    ) -> Iterator[StreamResponse]:
         policy, stats, caches = self.policy, row.stats, row.caches
-        rollbacks = [self.host.create("cache_rollback", i.name, policy.options_for(i.name)) for i in self._rollback_infos]
+        rollbacks = [
+            self.host.create("cache_rollback", i.name, policy.options_for(i.name))
+            for i in self._rollback_infos
+        ]
         forced = None
         if self._forced_rollback_name is not None:
-            forced = next(r for r, i in zip(rollbacks, self._rollback_infos) if i.name == self._forced_rollback_name)
+            forced = next(
+                r
+                for r, i in zip(rollbacks, self._rollback_infos)
+                if i.name == self._forced_rollback_name
+            )
         plan = RollbackPlan(caches, rollbacks, forced)
         stats.rollbacks = plan.names()
         drafters = list(self.drafters)
@@ -339,7 +369,9 @@ class Pipeline:
                 d.begin(RequestContext(**ctx_common, options=policy.options_for(d.name)))
                 begun.append(d)
             if self.governor is not None and hasattr(self.governor, "begin"):
-                self.governor.begin(RequestContext(**ctx_common, options=policy.options_for(policy.governor)))
+                self.governor.begin(
+                    RequestContext(**ctx_common, options=policy.options_for(policy.governor))
+                )
             for d in drafters:
                 stats.per_drafter[d.name] = {"rounds": 0, "drafted": 0, "accepted": 0}
             yield from self._rounds(row, drafters, plan, detok, on_round)
@@ -350,7 +382,9 @@ class Pipeline:
                 except Exception:  # ending must not mask the real error
                     pass
 
-    def _rounds(self, row: _Row, drafters: list, plan: RollbackPlan, detok: Any, on_round) -> Iterator[StreamResponse]:
+    def _rounds(
+        self, row: _Row, drafters: list, plan: RollbackPlan, detok: Any, on_round
+    ) -> Iterator[StreamResponse]:
         policy, stats, caches, sampler = self.policy, row.stats, row.caches, row.sampler
         t_start = time.perf_counter()
         while True:
@@ -391,7 +425,9 @@ class Pipeline:
                 acc = acceptor.accept(block, q, logits, sampler, positions)
                 n_acc = int(acc.n_accepted)
                 if not 0 <= n_acc <= len(block):
-                    raise RuntimeError(f"acceptor {acc_name!r} accepted {n_acc} of a {len(block)}-token block")
+                    raise RuntimeError(
+                        f"acceptor {acc_name!r} accepted {n_acc} of a {len(block)}-token block"
+                    )
                 txn.commit(len(inputs), n_acc + 1)
                 mx.eval([c.state for c in caches])
             except BaseException:
@@ -419,6 +455,7 @@ class Pipeline:
                 verify=vr,
                 start_position=len(row.history),
             )
+            pos = len(row.history)
             row.history.extend(new)
             for d in drafters:
                 d.observe(result)
@@ -430,29 +467,54 @@ class Pipeline:
                     finish = "stop"
                     detok.finalize()
                     seg = detok.last_segment
-                    yield from self._finish(row, seg, tok, i < n_acc, finish, t_start, emit=False)
+                    yield from self._finish(
+                        row, seg, tok, i < n_acc, finish, t_start, pos + i, is_stop_token=True
+                    )
                     return
                 detok.add_token(tok)
                 seg = detok.last_segment
                 row.n_out += 1
                 if row.stop_strings:
-                    combined = row.text + seg
-                    hit = min((combined.find(s) for s in row.stop_strings if s in combined), default=-1)
-                    if hit >= 0:
-                        seg = combined[:hit][len(row.text) :] if hit >= len(row.text) else ""
-                        yield from self._finish(row, seg, tok, i < n_acc, "stop", t_start)
+                    # Text that could begin a stop string is held back until it cannot.
+                    buf = row.pending + seg
+                    hits = [buf.find(s) for s in row.stop_strings if s in buf]
+                    if hits:
+                        yield from self._finish(
+                            row, buf[: min(hits)], tok, i < n_acc, "stop", t_start, pos + i
+                        )
                         return
+                    hold = max(len(s) for s in row.stop_strings) - 1
+                    cut = max(0, len(buf) - hold)
+                    seg, row.pending = buf[:cut], buf[cut:]
                 if row.n_out >= row.max_tokens:
                     detok.finalize()
                     seg += detok.last_segment
-                    yield from self._finish(row, seg, tok, i < n_acc, "length", t_start)
+                    if row.stop_strings:
+                        tail = row.pending + detok.last_segment
+                        hits = [tail.find(s) for s in row.stop_strings if s in tail]
+                        seg = seg[: len(seg) - len(detok.last_segment)] + (
+                            tail[: min(hits)] if hits else tail
+                        )
+                        row.pending = ""
+                    reason = "stop" if row.stop_strings and hits else "length"
+                    yield from self._finish(row, seg, tok, i < n_acc, reason, t_start, pos + i)
                     return
                 row.text += seg
                 yield StreamResponse(
-                    text=seg, token=tok, from_draft=i < n_acc, position=len(row.history) - len(new) + i, stats=stats
+                    text=seg, token=tok, from_draft=i < n_acc, position=pos + i, stats=stats
                 )
 
-    def _finish(self, row: _Row, seg: str, tok: int, from_draft: bool, reason: str, t_start: float, emit: bool = True):
+    def _finish(
+        self,
+        row: _Row,
+        seg: str,
+        tok: int,
+        from_draft: bool,
+        reason: str,
+        t_start: float,
+        position: int,
+        is_stop_token: bool = False,
+    ):
         stats = row.stats
         stats.decode_time_s = time.perf_counter() - t_start
         stats.generation_tokens = row.n_out
@@ -464,15 +526,21 @@ class Pipeline:
             extra = getattr(d, "stats", None)
             if callable(extra) and d.name in stats.per_drafter:
                 stats.per_drafter[d.name].update(extra())
-        if emit:
-            row.text += seg
-            yield StreamResponse(text=seg, token=tok, from_draft=from_draft, position=len(row.history), finish_reason=reason, stats=stats)
-        else:
-            # A stop token ends the stream without being emitted; close with an empty record.
-            yield StreamResponse(text=seg, token=tok, from_draft=from_draft, position=len(row.history), finish_reason=reason, stats=stats)
+        row.text += seg
+        yield StreamResponse(
+            text=seg,
+            token=tok,
+            from_draft=from_draft,
+            position=position,
+            finish_reason=reason,
+            stats=stats,
+            is_stop_token=is_stop_token,
+        )
 
     @staticmethod
-    def _process(logits: mx.array, history: list, block: Sequence[int], processors: list) -> mx.array:
+    def _process(
+        logits: mx.array, history: list, block: Sequence[int], processors: list
+    ) -> mx.array:
         if not processors:
             return logits
         hist = mx.array(history)
@@ -530,7 +598,9 @@ def assemble(
         if model_or_path is None:
             try:
                 from .models.default import default_model_path
-            except ImportError as exc:  # pragma: no cover - the default model module ships with the core
+            except (
+                ImportError
+            ) as exc:  # pragma: no cover - the default model module ships with the core
                 raise ModelLoadError(f"no default model available: {exc}") from exc
             model_or_path = default_model_path()
         check_model_path(model_or_path)

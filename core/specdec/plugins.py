@@ -93,7 +93,9 @@ class PluginFailure:
 class PluginHost:
     """A pluggy plugin manager plus the registry of components it produced."""
 
-    def __init__(self, *, load_entry_points: bool = True, entry_points: Iterable[Any] | None = None):
+    def __init__(
+        self, *, load_entry_points: bool = True, entry_points: Iterable[Any] | None = None
+    ):
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[PluginInfo] = []
@@ -242,7 +244,9 @@ class PluginHost:
             for other_role in ROLES:
                 if other_role != role and name in self.components[other_role]:
                     hint = f"; {name!r} is a {other_role}, not a {role}"
-        raise UnknownComponentError(f"unknown {role} {name!r}: installed {role}s are {installed}{hint}")
+        raise UnknownComponentError(
+            f"unknown {role} {name!r}: installed {role}s are {installed}{hint}"
+        )
 
     def create(self, role: str, name: str, options: dict | None = None) -> Any:
         """Instantiate component ``name`` of ``role`` with ``options``.

@@ -81,9 +81,7 @@ def _freeze_options(value: Any) -> dict:
     out = {}
     for k, v in value.items():
         if not isinstance(v, Mapping):
-            raise PolicyError(
-                f"options for {k!r} must be a table of option -> value, got {v!r}"
-            )
+            raise PolicyError(f"options for {k!r} must be a table of option -> value, got {v!r}")
         out[str(k)] = dict(v)
     return out
 
@@ -107,7 +105,9 @@ class Policy:
     """
 
     name: str = attrs.field(default="custom", validator=_check_name)
-    drafters: tuple[str, ...] = attrs.field(default=(), converter=_name_tuple, validator=_check_names)
+    drafters: tuple[str, ...] = attrs.field(
+        default=(), converter=_name_tuple, validator=_check_names
+    )
     governor: str | None = attrs.field(default=None, validator=_check_optional_name)
     acceptor: str = attrs.field(default=AUTO, validator=_check_name)
     verifier: str = attrs.field(default="logits", validator=_check_name)
@@ -122,7 +122,17 @@ class Policy:
                 f"min_block ({self.min_block}) must be <= max_block ({self.max_block})"
             )
 
-    FIELDS = ("name", "drafters", "governor", "acceptor", "verifier", "rollback", "max_block", "min_block", "options")
+    FIELDS = (
+        "name",
+        "drafters",
+        "governor",
+        "acceptor",
+        "verifier",
+        "rollback",
+        "max_block",
+        "min_block",
+        "options",
+    )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:

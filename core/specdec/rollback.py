@@ -159,7 +159,9 @@ class RollbackPlan:
 
     def __init__(self, caches: list, rollbacks: list, forced: Any = None):
         self.caches = caches
-        self.rollbacks = ([forced] if forced is not None else []) + [r for r in rollbacks if r is not forced]
+        self.rollbacks = ([forced] if forced is not None else []) + [
+            r for r in rollbacks if r is not forced
+        ]
         for r in self.rollbacks:
             if hasattr(r, "bind"):
                 r.bind(self)
@@ -206,5 +208,28 @@ class RollbackPlan:
         return seen
 
     def begin(self) -> _CompositeTransaction:
-        """Open a transaction over the whole cache list."""
-        return _CompositeTransaction([r.begin(c) for r, c in zip(self.assigned, self.caches)])
+        """Open a transaction over the whole cache list.
+
+        Layers nothing can roll back get a transaction that only accepts
+        ``commit(n, n)``: the pipeline never drafts for such a cache list.
+        """
+        return _CompositeTransaction(
+            [
+                _NoRollback(c) if r is None else r.begin(c)
+                for r, c in zip(self.assigned, self.caches)
+            ]
+        )
+
+
+class _NoRollback:
+    def __init__(self, cache: Any):
+        self.cache = cache
+
+    def commit(self, n_fed: int, n_keep: int) -> None:
+        if n_fed != n_keep:
+            raise RuntimeError(
+                f"cannot roll back {type(self.cache).__name__}: no rollback supports it"
+            )
+
+    def abort(self) -> None:
+        """Nothing can be restored; the request is failing anyway."""

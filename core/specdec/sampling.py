@@ -58,7 +58,12 @@ def validate_request(
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0 or temperature != temperature:
+    if (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or temperature < 0
+        or temperature != temperature
+    ):
         raise RequestError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
     if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
         raise RequestError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
@@ -66,8 +71,14 @@ def validate_request(
         raise RequestError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     if not isinstance(min_p, (int, float)) or not (0.0 <= min_p <= 1.0):
         raise RequestError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
-    if isinstance(min_tokens_to_keep, bool) or not isinstance(min_tokens_to_keep, int) or min_tokens_to_keep < 1:
-        raise RequestError(f"min_tokens_to_keep must be an integer >= 1, got {min_tokens_to_keep!r}")
+    if (
+        isinstance(min_tokens_to_keep, bool)
+        or not isinstance(min_tokens_to_keep, int)
+        or min_tokens_to_keep < 1
+    ):
+        raise RequestError(
+            f"min_tokens_to_keep must be an integer >= 1, got {min_tokens_to_keep!r}"
+        )
 
 
 @attrs.frozen
@@ -88,7 +99,10 @@ class Sampler:
     top_k: int = 0
     min_p: float = 0.0
     min_tokens_to_keep: int = 1
-    seed: int = attrs.field(default=None, converter=lambda s: int.from_bytes(os.urandom(7), "little") if s is None else int(s))
+    seed: int = attrs.field(
+        default=None,
+        converter=lambda s: int.from_bytes(os.urandom(7), "little") if s is None else int(s),
+    )
 
     def __attrs_post_init__(self) -> None:
         validate_request(
@@ -129,17 +143,22 @@ class Sampler:
             return (mx.arange(logits.shape[-1])[None, :] == am[:, None]).astype(mx.float32)
         return mx.softmax(self.scaled_logits(logits), axis=-1)
 
-    def sample(self, logits: mx.array, positions: Sequence[int], stream: int = STREAM_TOKEN) -> list[int]:
+    def sample(
+        self, logits: mx.array, positions: Sequence[int], stream: int = STREAM_TOKEN
+    ) -> list[int]:
         """Draw one token per row of ``logits`` ``[n, V]``; row ``i`` uses the key of ``positions[i]``."""
         if self.is_greedy:
             return mx.argmax(logits, axis=-1).tolist()
         scaled = self.scaled_logits(logits)
         return self.sample_scaled(scaled, positions, stream)
 
-    def sample_scaled(self, scaled: mx.array, positions: Sequence[int], stream: int = STREAM_TOKEN) -> list[int]:
+    def sample_scaled(
+        self, scaled: mx.array, positions: Sequence[int], stream: int = STREAM_TOKEN
+    ) -> list[int]:
         """Draw from already scaled logits (``log`` of an unnormalised distribution)."""
         out = [
-            mx.random.categorical(scaled[i], key=self.key(p, stream)) for i, p in enumerate(positions)
+            mx.random.categorical(scaled[i], key=self.key(p, stream))
+            for i, p in enumerate(positions)
         ]
         return mx.stack(out).tolist() if out else []
 

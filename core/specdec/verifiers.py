@@ -37,7 +37,9 @@ class HiddenStateVerifier:
                 f"verifier 'hidden' needs an mlx-lm model with a .model backbone; got {type(model).__name__}"
             )
         h = backbone(tokens[None], cache=caches)
-        if getattr(model, "lm_head", None) is not None and not getattr(model.args, "tie_word_embeddings", False):
+        if getattr(model, "lm_head", None) is not None and not getattr(
+            model.args, "tie_word_embeddings", False
+        ):
             logits = model.lm_head(h)
         else:
             logits = backbone.embed_tokens.as_linear(h)

@@ -55,7 +55,9 @@ class DraftModelDrafter(BaseDrafter):
                 "use --draft-model PATH or Policy.with_options('draft_model', model=...)"
             )
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise PolicyError(f"draft_model option num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
+            raise PolicyError(
+                f"draft_model option num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}"
+            )
         if isinstance(model, (str, os.PathLike)):
             self.model, self.tokenizer = _load(os.fspath(model))
         else:

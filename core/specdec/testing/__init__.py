@@ -26,9 +26,11 @@ from .checks import (
 )
 from .models import ARCHITECTURES, make_tiny_model, tiny_model_args
 from .oracle import CORRUPTIONS, OracleDrafter, oracle_plugin
+from .toy_tokenizer import ToyTokenizer
 
 __all__ = [
     "ARCHITECTURES",
+    "ToyTokenizer",
     "CORRUPTIONS",
     "OracleDrafter",
     "cache_view",

@@ -111,7 +111,9 @@ def check_greedy_identity(
         assert len(b.tokens) <= mt, f"max_tokens={mt} exceeded: {len(b.tokens)} tokens"
         assert a.finish_reason == b.finish_reason, (a.finish_reason, b.finish_reason)
         _add(totals, b.stats, a.stats)
-    longest = plain.generate(prompt, max_tokens=max(mts + [16]), temperature=0.0, **generate_kwargs).tokens
+    longest = plain.generate(
+        prompt, max_tokens=max(mts + [16]), temperature=0.0, **generate_kwargs
+    ).tokens
     if stop_tokens is None:
         seen: set = set()
         candidates = []
@@ -122,8 +124,12 @@ def check_greedy_identity(
         stop_tokens = [min(candidates)[2]] if candidates else []
     if stop_tokens:
         stops = list(stop_tokens)
-        a = plain.generate(prompt, max_tokens=len(longest), temperature=0.0, stop_tokens=stops, **generate_kwargs)
-        b = spec.generate(prompt, max_tokens=len(longest), temperature=0.0, stop_tokens=stops, **generate_kwargs)
+        a = plain.generate(
+            prompt, max_tokens=len(longest), temperature=0.0, stop_tokens=stops, **generate_kwargs
+        )
+        b = spec.generate(
+            prompt, max_tokens=len(longest), temperature=0.0, stop_tokens=stops, **generate_kwargs
+        )
         cut = next((i for i, t in enumerate(longest) if t in stops), None)
         if a.tokens != b.tokens:
             raise AssertionError(
@@ -131,10 +137,12 @@ def check_greedy_identity(
                 f"  plain: {a.tokens}\n  spec:  {b.tokens}"
             )
         if cut is not None:
-            assert b.finish_reason == "stop", f"stop token inside the output did not end the stream: {b.finish_reason}"
-            assert b.tokens[-1] in stops and len(b.tokens) == cut + 1 or b.tokens == longest[:cut], (
-                f"stream did not end at the stop token (index {cut}): {b.tokens}"
+            assert b.finish_reason == "stop", (
+                f"stop token inside the output did not end the stream: {b.finish_reason}"
             )
+            assert (
+                b.tokens[-1] in stops and len(b.tokens) == cut + 1 or b.tokens == longest[:cut]
+            ), f"stream did not end at the stop token (index {cut}): {b.tokens}"
         _add(totals, b.stats, a.stats)
     if require_drafts:
         assert totals["drafted"] > 0, "no tokens were drafted: speculation did not run"
@@ -180,13 +188,18 @@ def cache_view(cache: Any) -> Any:
 
 def _compare_views(a: Any, b: Any, atol: float, where: str) -> float:
     if isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and a.shape == b.shape, f"{where}: shape {getattr(b, 'shape', b)} != {a.shape}"
+        assert isinstance(b, np.ndarray) and a.shape == b.shape, (
+            f"{where}: shape {getattr(b, 'shape', b)} != {a.shape}"
+        )
         d = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
         assert d <= atol, f"{where}: max abs difference {d:.3g} > {atol}"
         return d
     if isinstance(a, (tuple, list)):
         assert isinstance(b, (tuple, list)) and len(a) == len(b), f"{where}: structure differs"
-        return max([_compare_views(x, y, atol, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))] + [0.0])
+        return max(
+            [_compare_views(x, y, atol, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))]
+            + [0.0]
+        )
     assert a == b, f"{where}: {b!r} != {a!r}"
     return 0.0
 
@@ -219,11 +232,17 @@ def check_caches_match_plain(
 
         return cb
 
-    a = plain.generate(prompt, max_tokens=max_tokens, temperature=0.0, on_round=record(ref), **generate_kwargs)
-    b = spec.generate(prompt, max_tokens=max_tokens, temperature=0.0, on_round=record(got), **generate_kwargs)
+    a = plain.generate(
+        prompt, max_tokens=max_tokens, temperature=0.0, on_round=record(ref), **generate_kwargs
+    )
+    b = spec.generate(
+        prompt, max_tokens=max_tokens, temperature=0.0, on_round=record(got), **generate_kwargs
+    )
     assert a.tokens == b.tokens, f"streams differ:\n  plain: {a.tokens}\n  spec:  {b.tokens}"
     if require_drafts:
-        assert b.stats.drafted > 0 and b.stats.accepted > 0, "speculation did not run (nothing drafted/accepted)"
+        assert b.stats.drafted > 0 and b.stats.accepted > 0, (
+            "speculation did not run (nothing drafted/accepted)"
+        )
     worst = 0.0
     for n, views in got.items():
         if n not in ref:
@@ -233,7 +252,9 @@ def check_caches_match_plain(
     return worst
 
 
-def _exact_joint(model: Any, prompt: list[int], sampler: Sampler, depth: int, floor: float = 1e-6) -> dict:
+def _exact_joint(
+    model: Any, prompt: list[int], sampler: Sampler, depth: int, floor: float = 1e-6
+) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     out: dict[tuple, float] = {}
@@ -252,7 +273,9 @@ def _exact_joint(model: Any, prompt: list[int], sampler: Sampler, depth: int, fl
     return out
 
 
-def chi_square_p_value(observed: dict, expected_probs: dict, n: int, min_expected: float = 5.0) -> float:
+def chi_square_p_value(
+    observed: dict, expected_probs: dict, n: int, min_expected: float = 5.0
+) -> float:
     """Chi-square goodness-of-fit p-value, pooling cells with expected count < ``min_expected``."""
     from scipy.stats import chi2
 
@@ -308,14 +331,24 @@ def check_sampled_distribution(
     counts: Counter = Counter()
     drafted = accepted = 0
     for seed in range(n_samples):
-        out = spec.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=10_000 + seed, **sampler_kwargs)
+        out = spec.generate(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=10_000 + seed,
+            **sampler_kwargs,
+        )
         counts[tuple(out.tokens)] += 1
         drafted += out.stats.drafted
         accepted += out.stats.accepted
     if require_drafts:
-        assert drafted > 0 and accepted > 0, f"speculation did not run (drafted={drafted}, accepted={accepted})"
+        assert drafted > 0 and accepted > 0, (
+            f"speculation did not run (drafted={drafted}, accepted={accepted})"
+        )
     p = chi_square_p_value(counts, exact, n_samples)
-    assert p > alpha, f"sampled distribution differs from the target's: chi-square p={p:.3g} (alpha={alpha})"
+    assert p > alpha, (
+        f"sampled distribution differs from the target's: chi-square p={p:.3g} (alpha={alpha})"
+    )
     return p
 
 
@@ -335,8 +368,12 @@ def check_sampled_identity(
     prompt = list(prompt_tokens)
     totals = Counter()
     for seed in seeds:
-        a = plain.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, **sampler_kwargs)
-        b = spec.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, **sampler_kwargs)
+        a = plain.generate(
+            prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, **sampler_kwargs
+        )
+        b = spec.generate(
+            prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, **sampler_kwargs
+        )
         if a.tokens != b.tokens:
             raise AssertionError(
                 f"seeded sampled stream (seed={seed}) differs from plain seeded decoding at token "
@@ -361,8 +398,12 @@ def check_fewer_forwards(
         ``(plain_forwards, spec_forwards)``.
     """
     plain, spec = _pipes(model, policy, tokenizer)
-    a = plain.generate(list(prompt_tokens), max_tokens=max_tokens, temperature=0.0, **generate_kwargs)
-    b = spec.generate(list(prompt_tokens), max_tokens=max_tokens, temperature=0.0, **generate_kwargs)
+    a = plain.generate(
+        list(prompt_tokens), max_tokens=max_tokens, temperature=0.0, **generate_kwargs
+    )
+    b = spec.generate(
+        list(prompt_tokens), max_tokens=max_tokens, temperature=0.0, **generate_kwargs
+    )
     assert a.tokens == b.tokens, "outputs differ"
     assert b.stats.target_forwards < a.stats.target_forwards, (
         f"no fewer target forwards: plain {a.stats.target_forwards}, spec {b.stats.target_forwards}"

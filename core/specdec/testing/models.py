@@ -22,7 +22,7 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
             num_attention_heads=4,
             num_key_value_heads=2,
             rms_norm_eps=1e-5,
-            tie_word_embeddings=True,
+            tie_word_embeddings=False,
         ),
     ),
     "qwen3": (
@@ -37,7 +37,7 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
             rms_norm_eps=1e-6,
             max_position_embeddings=1024,
             head_dim=16,
-            tie_word_embeddings=True,
+            tie_word_embeddings=False,
             rope_theta=10000.0,
         ),
     ),
@@ -68,7 +68,11 @@ def tiny_model_args(arch: str = "llama", *, vocab_size: int = 64, **overrides: A
     module_name, cfg = _CONFIGS[arch]
     module = importlib.import_module(f"mlx_lm.models.{module_name}")
     cfg = {**cfg, "vocab_size": vocab_size, **overrides}
-    return module.ModelArgs.from_dict(cfg) if hasattr(module.ModelArgs, "from_dict") else module.ModelArgs(**cfg)
+    return (
+        module.ModelArgs.from_dict(cfg)
+        if hasattr(module.ModelArgs, "from_dict")
+        else module.ModelArgs(**cfg)
+    )
 
 
 @functools.lru_cache(maxsize=32)
@@ -79,16 +83,23 @@ def _build(arch: str, vocab_size: int, seed: int, sharpness: float, overrides: t
     mx.random.seed(seed)
     model = module.Model(args)
     # Random init gives near-uniform next-token distributions; scaling the
-    # (tied) embeddings makes them peaked like a real model's.
-    emb = model.model.embed_tokens
-    emb.weight = emb.weight * sharpness
+    # output head (or the tied embeddings) makes them peaked like a real model's.
+    head = getattr(model, "lm_head", None)
+    if head is None or getattr(args, "tie_word_embeddings", False):
+        head = model.model.embed_tokens
+    head.weight = head.weight * sharpness
     mx.eval(model.parameters())
     model.eval()
     return model
 
 
 def make_tiny_model(
-    arch: str = "llama", *, vocab_size: int = 64, seed: int = 0, sharpness: float = 2.0, **overrides: Any
+    arch: str = "llama",
+    *,
+    vocab_size: int = 64,
+    seed: int = 1,
+    sharpness: float | None = None,
+    **overrides: Any,
 ) -> Any:
     """A tiny random float32 mlx-lm model of ``arch`` (``llama``, ``qwen3``, ``gemma3``).
 
@@ -98,9 +109,12 @@ def make_tiny_model(
         arch: the architecture; ``gemma3`` has a sliding window of 8 that wraps in short tests.
         vocab_size: vocabulary size.
         seed: weight init seed.
-        sharpness: scale of the tied embeddings (higher: peakier next-token distributions).
+        sharpness: scale of the output head (higher: peakier next-token distributions);
+            default 8 for the untied llama/qwen3 heads, 2 for gemma3's tied embeddings.
         overrides: ``ModelArgs`` fields to change.
     """
     if arch not in _CONFIGS:
         raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHITECTURES}")
+    if sharpness is None:
+        sharpness = 2.0 if arch == "gemma3" else 8.0
     return _build(arch, vocab_size, seed, float(sharpness), tuple(sorted(overrides.items())))

@@ -46,7 +46,9 @@ class OracleDrafter(BaseDrafter):
         if model is None and reference is None:
             raise ValueError("OracleDrafter needs 'model' or 'reference'")
         if isinstance(corruption, str) and corruption not in CORRUPTIONS:
-            raise ValueError(f"corruption must be one of {CORRUPTIONS} or a float, got {corruption!r}")
+            raise ValueError(
+                f"corruption must be one of {CORRUPTIONS} or a float, got {corruption!r}"
+            )
         self.model = model
         self.reference = None if reference is None else [int(t) for t in reference]
         self.corruption = corruption
@@ -111,7 +113,9 @@ class OraclePlugin:
     @hookimpl
     def specdec_register_drafters(self, register):
         """Register the oracle drafter."""
-        register("oracle", OracleDrafter, description="test kit: the target's own greedy continuation")
+        register(
+            "oracle", OracleDrafter, description="test kit: the target's own greedy continuation"
+        )
 
 
 oracle_plugin = OraclePlugin()
