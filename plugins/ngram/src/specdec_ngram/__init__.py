@@ -1,0 +1,20 @@
+"""specdec-plugin-ngram: the ``ngram_copy`` drafter for specdec.
+
+Copies blocks from the context: where the last few committed tokens occurred
+before (in the prompt, or also in the output), it proposes what followed there.
+Install the distribution and name the drafter in a policy::
+
+    import specdec
+    pipe = specdec.assemble(model, policy=specdec.Policy(drafters=("ngram_copy",)))
+
+or use the ``copy`` preset (with ``specdec-plugin-copy-governor``).
+"""
+
+from __future__ import annotations
+
+from .drafter import DEFAULTS, NgramCopyDrafter, create_ngram_copy
+from .index import NgramIndex, NgramMatch
+
+__version__ = "0.1.0"
+
+__all__ = ["DEFAULTS", "NgramCopyDrafter", "NgramIndex", "NgramMatch", "create_ngram_copy"]

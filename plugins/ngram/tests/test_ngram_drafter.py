@@ -1,0 +1,238 @@
+"""Unit tests of the ngram_copy drafter: options, ladder, caps, incremental updates (no model)."""
+
+from __future__ import annotations
+
+import pytest
+import specdec
+from specdec import Draft, RequestContext, RoundResult
+from specdec_ngram import DEFAULTS, create_ngram_copy
+
+
+def ctx(prompt, max_tokens=64):
+    return RequestContext(
+        model=None,
+        tokenizer=None,
+        prompt_tokens=list(prompt),
+        max_tokens=max_tokens,
+        sampler=None,
+        caches=[],
+    )
+
+
+def commit(drafter, history, tokens, *, block=(), n_accepted=0, drafter_name=None):
+    """Tell the drafter a round committed ``tokens`` after ``history``; returns the new history."""
+    tokens = tuple(tokens)
+    drafter.observe(
+        RoundResult(
+            drafter=drafter_name,
+            block=tuple(block),
+            n_accepted=n_accepted,
+            token=tokens[-1],
+            committed=tokens,
+            start_position=len(history),
+        )
+    )
+    return list(history) + list(tokens)
+
+
+def started(prompt, **options):
+    d = create_ngram_copy(**options)
+    d.begin(ctx(prompt))
+    return d
+
+
+# -- options -------------------------------------------------------------------------
+
+
+def test_defaults_documented_and_applied():
+    d = create_ngram_copy()
+    assert d.name == "ngram_copy"
+    assert (d.source, d.min_n, d.max_n, d.max_block) == ("all", 2, 8, 16)
+    assert d.ladder == ((2, 4), (4, 8), (8, 16))
+    assert set(DEFAULTS) == {"source", "min_n", "max_n", "ladder", "max_block"}
+
+
+def test_unknown_option_names_the_accepted_ones():
+    with pytest.raises(specdec.PolicyError) as exc:
+        create_ngram_copy(min_m=2)
+    msg = str(exc.value)
+    assert "min_m" in msg
+    for name in DEFAULTS:
+        assert name in msg
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"source": "output"}, "source"),
+        ({"min_n": 0}, "min_n"),
+        ({"max_n": 1.5}, "max_n"),
+        ({"min_n": 4, "max_n": 3}, "min_n"),
+        ({"max_block": 0}, "max_block"),
+        ({"ladder": []}, "ladder"),
+        ({"ladder": [[2, 4], [2, 8]]}, "increasing"),
+        ({"ladder": [[2, 0]]}, "block"),
+        ({"ladder": [[2, 4, 6]]}, "ladder"),
+        ({"ladder": 5}, "ladder"),
+    ],
+)
+def test_bad_option_values(options, fragment):
+    with pytest.raises(specdec.PolicyError, match=fragment):
+        create_ngram_copy(**options)
+
+
+def test_ladder_accepts_toml_style_lists():
+    d = create_ngram_copy(ladder=[[1, 2], [3, 6]])
+    assert d.ladder == ((1, 2), (3, 6))
+
+
+# -- ladder and caps --------------------------------------------------------------------
+
+
+def test_block_for_ladder():
+    d = create_ngram_copy(ladder=[[2, 3], [4, 6], [7, 10]])
+    assert [d.block_for(m) for m in range(1, 10)] == [0, 3, 3, 6, 6, 6, 10, 10, 10]
+
+
+def test_block_grows_with_match_length():
+    body = list(range(10, 40))
+    d = started([1, 2, *body, 3], ladder=[[2, 2], [4, 5], [6, 9]], max_block=20)
+    # history ends with a 2-token match, then a longer one
+    h = [1, 2, *body, 3, 10, 11]
+    assert d.propose(h, 20).tokens == (12, 13)
+    h = [1, 2, *body, 3, *body[:4]]
+    assert d.propose(h, 20).tokens == tuple(body[4:9])
+    h = [1, 2, *body, 3, *body[:7]]
+    assert d.propose(h, 20).tokens == tuple(body[7:16])
+
+
+def test_capped_at_max_len_and_max_block():
+    body = list(range(10, 60))
+    h = [*body, 1, *body[:20]]
+    d = started(h)
+    assert len(d.propose(h, 100).tokens) == 16  # max_block default
+    assert d.propose(h, 5).tokens == tuple(body[20:25])
+    assert d.propose(h, 1).tokens == (body[20],)
+    assert d.propose(h, 0) is None
+    d = started(h, max_block=3)
+    assert d.propose(h, 100).tokens == tuple(body[20:23])
+
+
+def test_no_match_is_none():
+    d = started([1, 2, 3, 4, 5])
+    assert d.propose([1, 2, 3, 4, 5], 8) is None
+    assert d.stats()["misses"] == 1 and d.stats()["hits"] == 0
+
+
+def test_match_below_first_rung_is_none():
+    d = started([5, 6, 7, 9, 5, 6], min_n=2, ladder=[[3, 4]])
+    assert d.propose([5, 6, 7, 9, 5, 6], 8) is None
+
+
+def test_draft_is_deterministic():
+    d = started([1, 2, 3, 4, 1, 2])
+    draft = d.propose([1, 2, 3, 4, 1, 2], 8)
+    assert isinstance(draft, Draft) and draft.probs is None
+    assert draft.tokens[:2] == (3, 4)
+
+
+# -- longest, then most recent ------------------------------------------------------------
+
+
+def test_prefers_longest_then_most_recent():
+    prompt = [9, 1, 2, 30, 31, 32, 8, 1, 2, 40, 41, 42, 7, 1, 2, 50, 51, 52]
+    d = started(prompt, ladder=[[2, 3]])
+    # only the last two tokens match everywhere: most recent wins
+    assert d.propose([*prompt, 6, 1, 2], 3).tokens == (50, 51, 52)
+    # a longer context matches the first occurrence: longest wins
+    assert d.propose([*prompt, 6, 9, 1, 2], 3).tokens == (30, 31, 32)
+
+
+# -- incremental updates -------------------------------------------------------------------
+
+
+def test_observe_indexes_committed_tokens():
+    prompt = [1, 2, 3]
+    d = started(prompt)
+    h = commit(d, prompt, [70, 71, 72])
+    h = commit(d, h, [5, 70, 71])
+    assert d.stats()["indexed_tokens"] == len(h)
+    assert d.propose(h, 4).tokens[:2] == (72, 5)
+    assert d.stats()["resyncs"] == 0
+
+
+def test_source_prompt_ignores_output():
+    prompt = [1, 2, 3]
+    d = started(prompt, source="prompt")
+    h = commit(d, prompt, [70, 71, 72, 5, 70, 71])
+    assert d.propose(h, 4) is None
+    h = commit(d, h, [9, 1, 2])
+    assert d.propose(h, 4).tokens == (3,)  # copies stop at the prompt's end
+    assert create_ngram_copy(source="all").source == "all"
+
+
+def test_propose_catches_up_from_history_without_observe():
+    prompt = [1, 2, 3, 4, 5, 6]
+    d = started(prompt)
+    h = [*prompt, 1, 2]  # the first tokens were never observed
+    assert d.propose(h, 3).tokens == (3, 4, 5)
+    assert d.stats()["resyncs"] == 0
+    # observing them afterwards (with positions) does not index them twice
+    h2 = commit(d, prompt, [1, 2])
+    assert h2 == h and d.stats()["indexed_tokens"] == len(h)
+    h = commit(d, h, [3])
+    assert d.propose(h, 2).tokens == (4, 5)
+    assert d.stats()["resyncs"] == 0
+
+
+def test_inconsistent_history_resyncs():
+    prompt = [1, 2, 3, 4, 5, 6]
+    d = started(prompt)
+    commit(d, prompt, [7, 8])
+    h = [*prompt, 7, 9, 4, 5]  # disagrees with what was indexed at the boundary
+    assert d.propose(h, 1).tokens == (6,)
+    assert d.stats()["resyncs"] == 1
+    assert d.stats()["indexed_tokens"] == len(h)
+
+
+def test_conflicting_observe_resyncs_at_next_propose():
+    prompt = [1, 2, 3, 4]
+    d = started(prompt)
+    commit(d, prompt, [5, 6])
+    # a round that claims to start inside what was indexed, with other tokens
+    d.observe(RoundResult(None, (), 0, 9, (8, 9), start_position=len(prompt)))
+    assert d.propose([*prompt, 8, 9, 1, 2], 2).tokens == (3, 4)
+    assert d.stats()["resyncs"] == 1
+
+
+def test_stats_count_acceptances():
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    d = started(prompt)
+    draft = d.propose(prompt, 4)
+    assert draft.tokens == (3, 4, 5, 6)
+    commit(d, prompt, [3, 4, 9], block=draft.tokens, n_accepted=2, drafter_name="ngram_copy")
+    s = d.stats()
+    assert s["lookups"] == 1 and s["hits"] == 1
+    assert s["proposed_tokens"] == 4 and s["accepted_tokens"] == 2
+    assert s["rounds_verified"] == 1
+    assert s["longest_match"] == 2 and s["mean_match_len"] == 2.0
+
+
+def test_begin_starts_fresh_and_end_drops_state():
+    d = started([1, 2, 3, 1, 2])
+    assert d.propose([1, 2, 3, 1, 2], 4) is not None
+    d.end()
+    assert d.stats()["indexed_tokens"] == 0
+    d.begin(ctx([4, 5, 6]))
+    assert d.stats()["lookups"] == 0
+    assert d.propose([4, 5, 6], 4) is None
+
+
+def test_index_cost_is_per_token():
+    prompt = list(range(1000))
+    d = started(prompt, min_n=2, max_n=4)
+    entries = d.stats()["index_entries"]
+    h = commit(d, prompt, [1, 2, 3])
+    assert d.stats()["index_entries"] - entries == 3 * 3
+    d.propose(h, 4)
+    assert d.stats()["index_entries"] - entries == 3 * 3

@@ -1,0 +1,214 @@
+"""ngram_copy in the core pipeline, on tiny random models from the test kit."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import random
+
+import pytest
+import specdec
+from specdec.plugins import PluginHost
+from specdec.testing import (
+    check_caches_match_plain,
+    check_fewer_forwards,
+    check_greedy_identity,
+    check_sampled_distribution,
+    make_tiny_model,
+)
+
+COPY = specdec.Policy(name="copy", drafters=("ngram_copy",), governor="copy_governor")
+NGRAM = specdec.Policy(name="ngram", drafters=("ngram_copy",))
+# gemma3's sliding window (8) wraps in every test here. A random gemma3 with a 64-token
+# vocabulary neither copies its prompt nor loops within a short test, so the copy tests
+# use a 16-token vocabulary for it.
+MODELS = (("llama", 64), ("qwen3", 64), ("gemma3", 16))
+
+
+def plain_tokens(model, prompt, n):
+    return specdec.assemble(model, policy="none").generate(list(prompt), max_tokens=n).tokens
+
+
+@functools.cache
+def _copy_heavy(arch, vocab, min_accepted, policy):
+    model = make_tiny_model(arch, vocab_size=vocab, seed=0)
+    plain = specdec.assemble(model, policy="none")
+    spec = specdec.assemble(model, policy=policy)
+    tried = []
+    for s in range(16):
+        rng = random.Random(s)
+        seed = [rng.randrange(vocab) for _ in range(10)]
+        cont = plain.generate(seed, max_tokens=48).tokens
+        # The model's own greedy continuation repeated in the prompt (prompt + continuation +
+        # prompt); failing that, a prompt that ends inside the model's own repetition loop.
+        for prompt in (seed + cont[:40] + seed, seed + cont):
+            accepted = spec.generate(prompt, max_tokens=32).stats.accepted
+            if accepted >= min_accepted:
+                return tuple(prompt)
+            tried.append(accepted)
+    raise AssertionError(
+        f"no copy-heavy prompt found for tiny {arch} (vocab {vocab}): accepted {tried}"
+    )
+
+
+def copy_heavy(arch, vocab, min_accepted=8, policy=NGRAM):
+    """A prompt on which ``policy`` gets ``min_accepted`` drafts accepted in 32 greedy tokens.
+
+    Tiny random models do not all copy their prompt; the search over a few seeds is
+    deterministic, so every run of the tests uses the same prompt.
+    """
+    return list(_copy_heavy(arch, vocab, min_accepted, policy))
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=[f"{a}-v{v}" for a, v in MODELS])
+def arch_model(request):
+    arch, vocab = request.param
+    return arch, vocab, make_tiny_model(arch, vocab_size=vocab, seed=0)
+
+
+# -- installation ------------------------------------------------------------------------
+
+
+def test_installed_through_entry_point():
+    try:
+        dist = importlib.metadata.distribution("specdec-plugin-ngram")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("specdec-plugin-ngram is not installed")
+    eps = [ep for ep in dist.entry_points if ep.group == "specdec"]
+    assert [(ep.name, ep.value) for ep in eps] == [("ngram_copy", "specdec_ngram.plugin")]
+    info = PluginHost().get("drafter", "ngram_copy")
+    assert info.distribution == "specdec-plugin-ngram"
+    assert info.description
+
+
+def test_policy_options_reach_the_drafter():
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    pol = NGRAM.with_options("ngram_copy", min_n=3, max_block=5, source="prompt")
+    pipe = specdec.assemble(model, policy=pol)
+    (drafter,) = pipe.drafters
+    assert (drafter.min_n, drafter.max_block, drafter.source) == (3, 5, "prompt")
+
+
+def test_unknown_option_fails_at_assemble():
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    with pytest.raises(specdec.PolicyError, match="accepted options"):
+        specdec.assemble(model, policy=NGRAM.with_options("ngram_copy", n_max=4))
+
+
+# -- greedy: identical to plain decoding ------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [COPY, NGRAM], ids=["copy", "ngram"])
+def test_greedy_identity_copy_heavy(arch_model, policy):
+    arch, vocab, model = arch_model
+    prompt = copy_heavy(arch, vocab)
+    totals = check_greedy_identity(model, policy, prompt, max_tokens_list=range(1, 17))
+    assert totals["drafted"] > 0 and totals["accepted"] > 0
+
+
+def test_greedy_identity_with_explicit_stop_tokens(arch_model):
+    arch, vocab, model = arch_model
+    prompt = copy_heavy(arch, vocab)
+    out = plain_tokens(model, prompt, 24)
+    # Tokens whose first appearance is past the start, so the stop lands inside a block;
+    # and a token that never appears (the stream runs to max_tokens).
+    firsts = [t for i, t in enumerate(out) if i >= 1 and t not in out[:i]]
+    absent = next(t for t in range(vocab) if t not in out)
+    for stops in ([firsts[-1]] if firsts else []) + [firsts[:2], [absent]]:
+        if not stops:
+            continue
+        totals = check_greedy_identity(
+            model, NGRAM, prompt, max_tokens_list=(24,), stop_tokens=tuple(stops)
+        )
+        assert totals["drafted"] > 0
+
+
+def test_greedy_identity_small_blocks_and_prompt_source(arch_model):
+    arch, vocab, model = arch_model
+    pol = NGRAM.with_options("ngram_copy", source="prompt", ladder=[[1, 1], [3, 3]], min_n=1)
+    prompt = copy_heavy(arch, vocab, min_accepted=4, policy=pol)
+    check_greedy_identity(model, pol, prompt, max_tokens_list=(1, 2, 7, 16))
+
+
+def test_greedy_identity_when_drafts_are_mostly_rejected():
+    # gemma3 with a 64-token vocabulary does not copy: blocks are rejected and rolled
+    # back in a sliding-window cache that wraps.
+    model = make_tiny_model("gemma3", vocab_size=64, seed=0)
+    prompt = copy_heavy("gemma3", 64, min_accepted=1)
+    check_greedy_identity(model, NGRAM, prompt, max_tokens_list=range(1, 17))
+    check_greedy_identity(model, COPY, prompt, max_tokens_list=(8, 32), require_drafts=False)
+
+
+def test_greedy_identity_without_copy_material():
+    # A prompt with no repetition: few or no proposals, and the stream must not change.
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    check_greedy_identity(
+        model, COPY, list(range(1, 20)), max_tokens_list=(1, 8, 24), require_drafts=False
+    )
+
+
+def test_caches_match_plain(arch_model):
+    arch, vocab, model = arch_model
+    check_caches_match_plain(model, COPY, copy_heavy(arch, vocab), max_tokens=32)
+
+
+# -- fewer forwards, with drafts that ran ------------------------------------------------------
+
+
+def test_fewer_forwards_on_copy_heavy_prompt(arch_model):
+    arch, vocab, model = arch_model
+    prompt = copy_heavy(arch, vocab)
+    plain_f, spec_f = check_fewer_forwards(model, COPY, prompt, max_tokens=32)
+    assert spec_f < plain_f
+    out = specdec.assemble(model, policy=COPY).generate(prompt, max_tokens=32)
+    s = out.stats
+    assert s.drafted > 0 and s.accepted > 0
+    assert s.target_forwards == spec_f
+    assert s.tokens_per_forward > 1.5
+    per = s.per_drafter["ngram_copy"]
+    assert per["hits"] > 0 and per["accepted_tokens"] == s.accepted
+    assert per["indexed_tokens"] >= len(prompt) + len(out.tokens) - 1
+    assert per["resyncs"] == 0
+    assert "ngram_copy" in s.governor["drafters"]
+
+
+def test_max_tokens_exact_with_long_blocks():
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    prompt = copy_heavy("llama", 64)
+    pipe = specdec.assemble(model, policy=NGRAM)
+    plain = plain_tokens(model, prompt, 40)
+    for mt in (1, 2, 3, 5, 17, 33, 40):
+        out = pipe.generate(prompt, max_tokens=mt)
+        assert out.tokens == plain[:mt]
+
+
+def test_drafter_is_reset_between_requests():
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    pipe = specdec.assemble(model, policy=COPY)
+    prompt = copy_heavy("llama", 64)
+    a = pipe.generate(prompt, max_tokens=24)
+    b = pipe.generate(list(range(1, 20)), max_tokens=8)
+    c = pipe.generate(prompt, max_tokens=24)
+    assert a.tokens == c.tokens
+    assert a.stats.drafted == c.stats.drafted and a.stats.accepted == c.stats.accepted
+    assert b.stats.per_drafter["ngram_copy"]["indexed_tokens"] < len(prompt)
+
+
+# -- sampled -----------------------------------------------------------------------------------
+
+
+def test_sampled_distribution_is_the_targets():
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    prompt = copy_heavy("llama", 64)
+    check_sampled_distribution(model, NGRAM, prompt, temperature=1.0, max_tokens=2, n_samples=1500)
+
+
+def test_sampled_seeded_runs_match_plain():
+    # Position-keyed sampling: a seeded run with copy drafts emits the seeded plain run.
+    from specdec.testing import check_sampled_identity as check
+
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    totals = check(
+        model, COPY, copy_heavy("llama", 64), seeds=range(4), max_tokens=24, temperature=1.0
+    )
+    assert totals["drafted"] > 0
