@@ -1,0 +1,269 @@
+"""CopyGovernor: probation, suspension with backoff, and an acceptance EMA per drafter.
+
+A copy drafter is free when it has nothing to say (no match, no draft), but a
+wrong block costs a wider verify forward. The governor keeps that cost small:
+
+- **EMA.** After every verified block it updates an exponential moving average
+  of the fraction of the block that was accepted.
+- **Probation.** Until a drafter has had ``probation_rounds`` good rounds
+  (fraction ``>= good_fraction``), its blocks are capped at ``probation_cap``.
+  After a suspension it is on probation again. Off probation, a drafter whose
+  EMA has fallen below ``shrink_below`` is capped at ``probation_cap`` too.
+- **Suspension.** After ``suspend_after`` poor rounds in a row (fraction
+  ``<= poor_fraction``) the drafter gets a budget of 0 for the next
+  ``backoff`` rounds. ``backoff`` starts at ``suspend_rounds``, doubles on each
+  new suspension up to ``max_suspend_rounds``, and resets to ``suspend_rounds``
+  after a good round.
+
+A round is one call of :meth:`CopyGovernor.budget` for that drafter; while it is
+suspended, each of its rounds is a round in which it was not asked (a plain
+decode step when no other drafter proposes, i.e. one token). The governor
+works for any drafter, by name; each drafter has its own state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import specdec
+from specdec import BaseGovernor, RequestContext
+
+NAME = "copy_governor"
+
+#: Default options of ``copy_governor`` (see the README for what each one does).
+DEFAULTS: Mapping[str, Any] = {
+    "alpha": 0.3,
+    "good_fraction": 0.5,
+    "poor_fraction": 0.25,
+    "probation_rounds": 2,
+    "probation_cap": 4,
+    "shrink_below": 0.3,
+    "suspend_after": 3,
+    "suspend_rounds": 8,
+    "max_suspend_rounds": 256,
+}
+
+
+class DrafterState:
+    """What the governor knows about one drafter (mutable, per request)."""
+
+    __slots__ = (
+        "ema",
+        "rounds",
+        "proposed",
+        "accepted",
+        "good_rounds",
+        "poor_streak",
+        "suspended_left",
+        "suspensions",
+        "suspended_rounds",
+        "backoff",
+        "last_cap",
+    )
+
+    def __init__(self, backoff: int) -> None:
+        self.ema: float | None = None
+        self.rounds = 0
+        self.proposed = 0
+        self.accepted = 0
+        self.good_rounds = 0  # good rounds since the last suspension
+        self.poor_streak = 0
+        self.suspended_left = 0
+        self.suspensions = 0
+        self.suspended_rounds = 0
+        self.backoff = backoff
+        self.last_cap: int | None = None
+
+
+def _check_fraction(label: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise specdec.PolicyError(
+            f"{NAME}: option {label} must be a number in [0, 1], got {value!r}"
+        )
+    return float(value)
+
+
+def _check_int(label: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise specdec.PolicyError(
+            f"{NAME}: option {label} must be an integer >= {minimum}, got {value!r}"
+        )
+    return value
+
+
+class CopyGovernor(BaseGovernor):
+    """Caps and suspends drafters whose blocks are not accepted.
+
+    Args:
+        alpha: weight of the newest round in the acceptance EMA (0 < alpha <= 1).
+        good_fraction: a round whose accepted fraction is at least this is good.
+        poor_fraction: a round whose accepted fraction is at most this is poor.
+        probation_rounds: good rounds a drafter needs before its blocks are uncapped
+            (0: no probation).
+        probation_cap: the block cap on probation (and while the EMA is below
+            ``shrink_below``).
+        shrink_below: off probation, an EMA below this caps blocks at
+            ``probation_cap`` again (0: never).
+        suspend_after: poor rounds in a row that suspend a drafter.
+        suspend_rounds: the first suspension's length in rounds; also what the
+            backoff resets to after a good round.
+        max_suspend_rounds: the ceiling of the doubling backoff.
+
+    Raises:
+        specdec.PolicyError: an option has a bad value.
+    """
+
+    name = NAME
+
+    def __init__(
+        self,
+        *,
+        alpha: float = DEFAULTS["alpha"],
+        good_fraction: float = DEFAULTS["good_fraction"],
+        poor_fraction: float = DEFAULTS["poor_fraction"],
+        probation_rounds: int = DEFAULTS["probation_rounds"],
+        probation_cap: int = DEFAULTS["probation_cap"],
+        shrink_below: float = DEFAULTS["shrink_below"],
+        suspend_after: int = DEFAULTS["suspend_after"],
+        suspend_rounds: int = DEFAULTS["suspend_rounds"],
+        max_suspend_rounds: int = DEFAULTS["max_suspend_rounds"],
+    ) -> None:
+        self.alpha = _check_fraction("alpha", alpha)
+        if self.alpha == 0.0:
+            raise specdec.PolicyError(f"{NAME}: option alpha must be > 0, got {alpha!r}")
+        self.good_fraction = _check_fraction("good_fraction", good_fraction)
+        self.poor_fraction = _check_fraction("poor_fraction", poor_fraction)
+        if self.poor_fraction >= self.good_fraction:
+            raise specdec.PolicyError(
+                f"{NAME}: poor_fraction ({poor_fraction}) must be below good_fraction "
+                f"({good_fraction})"
+            )
+        self.probation_rounds = _check_int("probation_rounds", probation_rounds, 0)
+        self.probation_cap = _check_int("probation_cap", probation_cap, 1)
+        self.shrink_below = _check_fraction("shrink_below", shrink_below)
+        self.suspend_after = _check_int("suspend_after", suspend_after, 1)
+        self.suspend_rounds = _check_int("suspend_rounds", suspend_rounds, 1)
+        self.max_suspend_rounds = _check_int("max_suspend_rounds", max_suspend_rounds, 1)
+        if self.max_suspend_rounds < self.suspend_rounds:
+            raise specdec.PolicyError(
+                f"{NAME}: max_suspend_rounds ({max_suspend_rounds}) must be >= "
+                f"suspend_rounds ({suspend_rounds})"
+            )
+        self._states: dict[str, DrafterState] = {}
+
+    # -- the Governor protocol ----------------------------------------------------
+
+    def begin(self, ctx: RequestContext) -> None:
+        """Start a request: every drafter starts fresh (on probation, not suspended)."""
+        self._states = {}
+
+    def budget(self, drafter: str, max_len: int) -> int:
+        """How many tokens ``drafter`` may propose this round (0 while it is suspended)."""
+        s = self.state(drafter)
+        if s.suspended_left > 0:
+            s.suspended_left -= 1
+            s.suspended_rounds += 1
+            return 0
+        cap = self.cap(drafter)
+        s.last_cap = cap
+        return max(0, min(cap, max_len)) if cap is not None else max(0, max_len)
+
+    def observe(self, drafter: str, proposed: int, accepted: int) -> None:
+        """Learn that ``drafter`` proposed ``proposed`` tokens and ``accepted`` were kept."""
+        if proposed <= 0:
+            return
+        s = self.state(drafter)
+        accepted = max(0, min(accepted, proposed))
+        frac = accepted / proposed
+        s.rounds += 1
+        s.proposed += proposed
+        s.accepted += accepted
+        s.ema = frac if s.ema is None else self.alpha * frac + (1.0 - self.alpha) * s.ema
+        if frac >= self.good_fraction:
+            s.good_rounds += 1
+            s.poor_streak = 0
+            s.backoff = self.suspend_rounds
+        elif frac <= self.poor_fraction:
+            s.poor_streak += 1
+            if s.poor_streak >= self.suspend_after:
+                self._suspend(s)
+        else:
+            s.poor_streak = 0  # "several poor rounds" means in a row
+
+    def stats(self) -> dict:
+        """Totals and per-drafter state: EMA, cap, probation, suspensions, rounds suspended."""
+        drafters = {name: self._state_dict(name, s) for name, s in self._states.items()}
+        return {
+            "suspensions": sum(s.suspensions for s in self._states.values()),
+            "suspended_rounds": sum(s.suspended_rounds for s in self._states.values()),
+            "drafters": drafters,
+        }
+
+    # -- queries -----------------------------------------------------------------
+
+    def state(self, drafter: str) -> DrafterState:
+        """The state of ``drafter`` (created fresh on first use)."""
+        s = self._states.get(drafter)
+        if s is None:
+            s = self._states[drafter] = DrafterState(self.suspend_rounds)
+        return s
+
+    def on_probation(self, drafter: str) -> bool:
+        """Whether ``drafter`` has not yet had ``probation_rounds`` good rounds."""
+        return self.state(drafter).good_rounds < self.probation_rounds
+
+    def suspended(self, drafter: str) -> bool:
+        """Whether ``drafter`` gets a budget of 0 at its next round."""
+        return self.state(drafter).suspended_left > 0
+
+    def cap(self, drafter: str) -> int | None:
+        """The current block cap of ``drafter`` (``None``: uncapped; 0: suspended)."""
+        s = self.state(drafter)
+        if s.suspended_left > 0:
+            return 0
+        if self.on_probation(drafter):
+            return self.probation_cap
+        if s.ema is not None and s.ema < self.shrink_below:
+            return self.probation_cap
+        return None
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _suspend(self, s: DrafterState) -> None:
+        s.suspended_left = s.backoff
+        s.suspensions += 1
+        s.backoff = min(s.backoff * 2, self.max_suspend_rounds)
+        s.poor_streak = 0
+        s.good_rounds = 0  # back on probation when the suspension ends
+
+    def _state_dict(self, name: str, s: DrafterState) -> dict:
+        return {
+            "ema": s.ema,
+            "cap": self.cap(name),
+            "on_probation": self.on_probation(name),
+            "suspended": s.suspended_left > 0,
+            "suspended_left": s.suspended_left,
+            "suspensions": s.suspensions,
+            "suspended_rounds": s.suspended_rounds,
+            "next_backoff": s.backoff,
+            "good_rounds": s.good_rounds,
+            "poor_streak": s.poor_streak,
+            "rounds": s.rounds,
+            "proposed": s.proposed,
+            "accepted": s.accepted,
+        }
+
+
+def create_copy_governor(**options: Any) -> CopyGovernor:
+    """Factory registered as ``copy_governor``: builds the governor from policy options.
+
+    Raises:
+        specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
+    """
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise specdec.PolicyError(
+            f"{NAME}: unknown option(s) {unknown}; accepted options are {sorted(DEFAULTS)}"
+        )
+    return CopyGovernor(**options)

@@ -1,0 +1,268 @@
+"""Unit tests of copy_governor: EMA, probation, suspension, backoff doubling and ceiling, reset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import specdec
+from specdec_copy_governor import DEFAULTS, CopyGovernor, create_copy_governor
+
+D = "ngram_copy"
+
+
+def gov(**options):
+    return create_copy_governor(**options)
+
+
+def round_(g, drafter, max_len, accepted):
+    """One round: ask for a budget; if granted, propose that much and accept ``accepted`` of it.
+
+    Returns the budget (0 when suspended)."""
+    b = g.budget(drafter, max_len)
+    if b > 0:
+        g.observe(drafter, b, min(accepted, b) if accepted is not None else b)
+    return b
+
+
+def good(g, drafter=D, max_len=16):
+    return round_(g, drafter, max_len, None)
+
+
+def poor(g, drafter=D, max_len=16):
+    return round_(g, drafter, max_len, 0)
+
+
+def suspended_for(g, drafter=D):
+    """Count rounds until the drafter gets a non-zero budget again (consumes that round)."""
+    n = 0
+    while g.budget(drafter, 16) == 0:
+        n += 1
+        assert n < 10_000
+    return n
+
+
+# -- options ---------------------------------------------------------------------------
+
+
+def test_defaults():
+    g = gov()
+    assert g.name == "copy_governor"
+    for k, v in DEFAULTS.items():
+        assert getattr(g, k) == v
+    assert DEFAULTS == {
+        "alpha": 0.3,
+        "good_fraction": 0.5,
+        "poor_fraction": 0.25,
+        "probation_rounds": 2,
+        "probation_cap": 4,
+        "shrink_below": 0.3,
+        "suspend_after": 3,
+        "suspend_rounds": 8,
+        "max_suspend_rounds": 256,
+    }
+
+
+def test_unknown_option_names_the_accepted_ones():
+    with pytest.raises(specdec.PolicyError) as exc:
+        gov(probation=3)
+    for name in DEFAULTS:
+        assert name in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"alpha": 0}, "alpha"),
+        ({"alpha": 1.5}, "alpha"),
+        ({"good_fraction": "x"}, "good_fraction"),
+        ({"poor_fraction": 0.6, "good_fraction": 0.5}, "below"),
+        ({"probation_rounds": -1}, "probation_rounds"),
+        ({"probation_cap": 0}, "probation_cap"),
+        ({"suspend_after": 0}, "suspend_after"),
+        ({"suspend_rounds": 2.0}, "suspend_rounds"),
+        ({"suspend_rounds": 8, "max_suspend_rounds": 4}, "max_suspend_rounds"),
+        ({"shrink_below": True}, "shrink_below"),
+    ],
+)
+def test_bad_option_values(options, fragment):
+    with pytest.raises(specdec.PolicyError, match=fragment):
+        gov(**options)
+
+
+# -- EMA -----------------------------------------------------------------------------------
+
+
+def test_ema_of_accepted_fraction():
+    g = gov(alpha=0.5, probation_rounds=0)
+    g.observe(D, 4, 4)
+    assert g.state(D).ema == 1.0  # the first round sets it
+    g.observe(D, 4, 2)
+    assert g.state(D).ema == pytest.approx(0.75)
+    g.observe(D, 8, 0)
+    assert g.state(D).ema == pytest.approx(0.375)
+    st = g.stats()["drafters"][D]
+    assert st["ema"] == pytest.approx(0.375)
+    assert (st["rounds"], st["proposed"], st["accepted"]) == (3, 16, 6)
+
+
+def test_observe_ignores_empty_rounds_and_clamps():
+    g = gov()
+    g.observe(D, 0, 0)
+    assert g.state(D).rounds == 0 and g.state(D).ema is None
+    g.observe(D, 4, 9)
+    assert g.state(D).ema == 1.0 and g.state(D).accepted == 4
+
+
+# -- probation -----------------------------------------------------------------------------
+
+
+def test_probation_caps_blocks_until_enough_good_rounds():
+    g = gov(probation_rounds=2, probation_cap=4)
+    assert g.on_probation(D)
+    assert g.budget(D, 16) == 4
+    assert g.budget(D, 3) == 3  # never more than max_len
+    g.observe(D, 4, 4)
+    assert g.budget(D, 16) == 4  # one good round is not enough
+    g.observe(D, 4, 3)
+    assert not g.on_probation(D)
+    assert g.budget(D, 16) == 16
+    assert g.stats()["drafters"][D]["cap"] is None
+
+
+def test_neutral_and_poor_rounds_do_not_end_probation():
+    g = gov(probation_rounds=1)
+    g.observe(D, 4, 1)  # 0.25: poor
+    g.observe(D, 4, 0)
+    assert g.on_probation(D)
+    g.observe(D, 10, 4)  # 0.4: neither good nor poor
+    assert g.on_probation(D)
+
+
+def test_no_probation_when_zero_rounds():
+    assert gov(probation_rounds=0).budget(D, 16) == 16
+
+
+def test_low_ema_shrinks_blocks_after_probation():
+    g = gov(probation_rounds=1, probation_cap=4, shrink_below=0.5, alpha=1.0, suspend_after=99)
+    g.observe(D, 4, 4)
+    assert g.budget(D, 16) == 16
+    g.observe(D, 16, 6)  # EMA 0.375 < 0.5 (alpha 1: the last round)
+    assert g.budget(D, 16) == 4
+    g.observe(D, 4, 4)
+    assert g.budget(D, 16) == 16
+
+
+# -- suspension and backoff -------------------------------------------------------------------
+
+
+def test_suspends_after_consecutive_poor_rounds():
+    g = gov(suspend_after=3, suspend_rounds=5)
+    poor(g)
+    poor(g)
+    assert not g.suspended(D)
+    poor(g)
+    assert g.suspended(D)
+    assert g.cap(D) == 0
+    assert suspended_for(g) == 5
+    st = g.stats()
+    assert st["suspensions"] == 1 and st["suspended_rounds"] == 5
+    assert st["drafters"][D]["suspended_rounds"] == 5
+
+
+def test_poor_rounds_must_be_consecutive():
+    g = gov(suspend_after=3)
+    poor(g)
+    poor(g)
+    round_(g, D, 10, 4)  # 0.4: neutral, breaks the streak
+    poor(g)
+    poor(g)
+    assert not g.suspended(D)
+    poor(g)
+    assert g.suspended(D)
+
+
+def test_backoff_doubles_on_each_new_suspension_up_to_ceiling():
+    g = gov(suspend_after=2, suspend_rounds=3, max_suspend_rounds=20)
+    lengths = []
+    for _ in range(6):
+        rounds = 0
+        while not g.suspended(D):  # poor rounds, no good round in between
+            poor(g)
+            rounds += 1
+        assert rounds == 2
+        lengths.append(suspended_for(g))
+    assert lengths == [3, 6, 12, 20, 20, 20]
+    st = g.stats()
+    assert st["suspensions"] == 6
+    assert st["suspended_rounds"] == sum(lengths)
+    assert st["drafters"][D]["next_backoff"] == 20
+
+
+def test_good_round_resets_backoff():
+    g = gov(suspend_after=2, suspend_rounds=4, max_suspend_rounds=64)
+    poor(g)
+    poor(g)
+    assert suspended_for(g) == 4
+    g.observe(D, 4, 0)
+    poor(g)
+    assert suspended_for(g) == 8
+    g.observe(D, 4, 4)  # a good round
+    assert g.stats()["drafters"][D]["next_backoff"] == 4
+    poor(g)
+    poor(g)
+    assert suspended_for(g) == 4
+
+
+def test_probation_again_after_suspension():
+    g = gov(probation_rounds=1, probation_cap=2, suspend_after=1, suspend_rounds=1)
+    good(g)
+    assert g.budget(D, 16) == 16
+    g.observe(D, 16, 0)  # poor: suspended at once
+    assert g.budget(D, 16) == 0
+    assert g.on_probation(D)
+    assert g.budget(D, 16) == 2
+    g.observe(D, 2, 2)
+    assert g.budget(D, 16) == 16
+
+
+def test_each_drafter_has_its_own_state():
+    g = gov(suspend_after=1, suspend_rounds=2)
+    poor(g, "ngram_copy")
+    assert g.budget("ngram_copy", 16) == 0
+    assert g.budget("my_mtp", 16) == 4  # another drafter, any name, unaffected
+    assert set(g.stats()["drafters"]) == {"ngram_copy", "my_mtp"}
+
+
+def test_begin_resets_state():
+    g = gov(suspend_after=1)
+    poor(g)
+    assert g.suspended(D)
+    g.begin(None)
+    assert not g.suspended(D)
+    st = g.stats()
+    assert st["suspensions"] == 0 and st["suspended_rounds"] == 0
+    assert st["drafters"][D]["rounds"] == 0
+
+
+def test_stats_are_json_serialisable():
+    g = gov()
+    good(g)
+    poor(g, "other")
+    json.dumps(g.stats())
+
+
+def test_is_a_governor():
+    assert isinstance(gov(), specdec.Governor)
+    assert isinstance(gov(), CopyGovernor)
+
+
+def test_workload_shape_copy_then_prose():
+    """A drafter that is right for a while, then wrong: probation, full blocks, suspension."""
+    g = gov()
+    budgets = [round_(g, D, 16, None) for _ in range(5)]
+    assert budgets == [4, 4, 16, 16, 16]
+    budgets = [round_(g, D, 16, 0) for _ in range(3 + 8 + 1)]
+    assert budgets[:3] == [16, 16, 16]
+    assert budgets[3:11] == [0] * 8
+    assert budgets[11] == 4  # back on probation
