@@ -158,3 +158,33 @@ def test_same_seed_same_output_different_seed_differs(models, copy_prompts):
     b = pipe.generate(copy_prompts["gemma3"], max_tokens=16, temperature=1.5, seed=3).tokens
     c = pipe.generate(copy_prompts["gemma3"], max_tokens=16, temperature=1.5, seed=4).tokens
     assert a == b and a != c
+
+
+class _AlwaysAccept:
+    """Deliberately wrong acceptor: keeps every draft. The chi-square check must catch it."""
+
+    name = "always"
+
+    def accept(self, block, draft_probs, logits, sampler, positions):
+        from specdec.roles import Acceptance
+
+        k = len(block)
+        return Acceptance(n_accepted=k, token=sampler.sample(logits[k : k + 1], [positions[k]])[0])
+
+
+class _AlwaysAcceptPlugin:
+    @specdec.hookimpl
+    def specdec_register_acceptors(self, register):
+        register("always", _AlwaysAccept)
+
+
+def test_distribution_check_catches_a_wrong_acceptor(models):
+    from specdec.testing import plugin_host
+
+    m = models["llama"]
+    with plugin_host(_AlwaysAcceptPlugin()):
+        pol = oracle_policy(m, "full", block=1, acceptor="always")
+        with pytest.raises(AssertionError, match="chi-square"):
+            check_sampled_distribution(
+                m, pol, [3, 17, 42, 9, 28], temperature=1.0, max_tokens=2, n_samples=300
+            )

@@ -4,9 +4,10 @@
   ``ChunkedKVCache``: trim the rejected tail (abort trims back to ``begin``).
 * ``rotating_window``: ``RotatingKVCache``, exact also after the window has
   wrapped. A multi-token verify goes through mlx-lm's concatenating update,
-  which leaves the buffer in temporal order; the rejected tail is then cut off
-  physically (mlx-lm's own ``trim`` only moves an index and leaves the
-  rejected keys in the buffer, where a later in-place update finds them).
+  which may drop entries the window no longer needs; commit rebuilds the buffer
+  in temporal order from the pre-round window plus the accepted new entries
+  (mlx-lm's own ``trim`` only moves an index and leaves the rejected keys in
+  the buffer, where a later in-place update finds them).
 * ``cache_list``: ``CacheList`` and other composites, by delegating each child.
 
 A cache nothing can roll back (mlx-lm's ``ArraysCache`` for instance) makes
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 
@@ -63,6 +65,17 @@ class KVTrimRollback:
         return _TrimTransaction(cache)
 
 
+def _temporal(v: Any, idx: int, offset: int, keep: int) -> Any:
+    """``RotatingKVCache._temporal_order`` for a buffer with the given indices."""
+    if v is None:
+        return None
+    if idx == v.shape[2]:
+        return v
+    if idx < offset:
+        return mx.concatenate([v[..., :keep, :], v[..., idx:, :], v[..., keep:idx, :]], axis=2)
+    return v[..., :idx, :]
+
+
 class _RotatingTransaction:
     def __init__(self, cache: Any):
         self.cache = cache
@@ -74,20 +87,34 @@ class _RotatingTransaction:
         self.idx = cache._idx
 
     def commit(self, n_fed: int, n_keep: int) -> None:
+        """Rebuild the buffer as ``[window before begin] + [first n_keep new entries]``, in temporal order.
+
+        Works whether the new tokens came in one concatenating update (the
+        verify forward) or several in-place ones (a drafter's own cache).
+        """
         drop = n_fed - n_keep
         if drop <= 0:
             return
         c = self.cache
-        if c._idx != c.keys.shape[2]:
+        now_k = _temporal(c.keys, c._idx, c.offset, c.keep)
+        now_v = _temporal(c.values, c._idx, c.offset, c.keep)
+        if now_k.shape[2] < n_fed:
             raise RuntimeError(
-                "RotatingKVCache is not in temporal order after a multi-token update; "
-                "cannot roll back exactly"
+                f"RotatingKVCache(max_size={c.max_size}) no longer holds the {n_fed} tokens fed since "
+                "the transaction began; cannot roll back exactly"
             )
-        end = c._idx - drop
-        c.keys = c.keys[..., :end, :]
-        c.values = c.values[..., :end, :]
-        c.offset -= drop
-        c._idx = end
+        start = now_k.shape[2] - n_fed
+        new_k = now_k[..., start : start + n_keep, :]
+        new_v = now_v[..., start : start + n_keep, :]
+        old_k = _temporal(self.keys, self.idx, self.offset, c.keep)
+        old_v = _temporal(self.values, self.idx, self.offset, c.keep)
+        if old_k is None or old_k.shape[2] == 0:
+            c.keys, c.values = new_k, new_v
+        else:
+            c.keys = mx.concatenate([old_k, new_k], axis=2)
+            c.values = mx.concatenate([old_v, new_v], axis=2)
+        c.offset = self.offset + n_keep
+        c._idx = c.keys.shape[2]
 
     def abort(self) -> None:
         c = self.cache

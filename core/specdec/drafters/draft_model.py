@@ -107,6 +107,10 @@ class DraftModelDrafter(BaseDrafter):
         pending = list(history[self._fed :])
         if not pending:  # the last token must be fed to get a next-token distribution
             raise RuntimeError("draft_model: history is not ahead of the draft cache")
+        if len(pending) > 1:  # committed tokens: outside the transaction
+            self.model(mx.array(pending[:-1])[None], cache=self._cache)
+            self._fed += len(pending) - 1
+            pending = pending[-1:]
         txn = self._plan.begin()
         try:
             y = mx.array(pending)
