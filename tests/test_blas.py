@@ -73,7 +73,7 @@ st = b.ensure_fast_blas()
 import mlx.core
 print(json.dumps({"status": st.to_dict(), "active": b.active_blas_library(),
                   "mapped": b.loaded_blas_libraries(),
-                  "gflops": b.measure_matmul_gflops(512, repeats=5),
+                  "gflops": max(b.measure_matmul_gflops(512, repeats=4) for _ in range(4)),
                   "err": b.matmul_max_error()}))
 """
 
@@ -130,6 +130,7 @@ def test_standalone_switch_uses_fast_blas_and_results_are_unchanged():
     # same numbers to float32 rounding, both ways
     assert fast["err"] < 1e-3 and slow["err"] < 1e-3
     # the reason for all this: fast BLAS is much faster than mlx-cpu's reference BLAS
+    # (about 8x on 2 idle cores; best of 4 runs each, so a busy machine does not flake)
     if blas.is_reference_blas(slow["active"]):
         assert fast["gflops"] > 1.5 * slow["gflops"], (fast["gflops"], slow["gflops"])
 

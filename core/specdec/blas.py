@@ -453,7 +453,3 @@ def blas_report(*, measure: bool = True) -> dict:
         report["matmul_gflops"] = round(measure_matmul_gflops(), 2)
         report["matmul_max_abs_error"] = matmul_max_error()
     return report
-
-
-# Importing this module switches (``specdec/__init__.py`` imports it first of all).
-ensure_fast_blas()
