@@ -321,11 +321,7 @@ def build_config(header: GGUFHeader, path: Path | str = "GGUF") -> dict[str, Any
 def permute_qk(w, n_heads: int):
     """llama.cpp's converter permutation (Hugging Face rows → GGUF rows); for tests."""
     rows = w.shape[0]
-    return (
-        w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def unpermute_qk(w, n_heads: int):
@@ -333,11 +329,7 @@ def unpermute_qk(w, n_heads: int):
     rows = w.shape[0]
     if rows % (2 * n_heads):
         raise GGUFError(f"Q/K projection with {rows} rows does not split into {n_heads} heads.")
-    return (
-        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 _GLOBAL_NAMES = {
@@ -510,7 +502,7 @@ def _added_tokens(tokens: list[str], types: list[int] | None):
     if not types:
         return []
     out = []
-    for i, (tok, tt) in enumerate(zip(tokens, types)):
+    for i, (tok, tt) in enumerate(zip(tokens, types, strict=False)):
         if tt == _TT_CONTROL:
             out.append((i, AddedToken(tok, special=True, normalized=False)))
         elif tt == _TT_USER_DEFINED:
@@ -579,7 +571,9 @@ def _build_bpe(meta: Mapping[str, Any], path: Path | str):
 def _spm_merges(tokens: list[str], scores: list[float], types: list[int] | None):
     """BPE merges equivalent to SentencePiece-BPE scores: rank by the merged piece's score."""
     normal = {
-        t: i for i, t in enumerate(tokens) if not types or types[i] in (_TT_NORMAL, _TT_USER_DEFINED)
+        t: i
+        for i, t in enumerate(tokens)
+        if not types or types[i] in (_TT_NORMAL, _TT_USER_DEFINED)
     }
     ranked = []
     for piece, idx in normal.items():
