@@ -49,7 +49,16 @@ def test_defaults_documented_and_applied():
     assert d.name == "ngram_copy"
     assert (d.source, d.min_n, d.max_n, d.max_block) == ("all", 2, 8, 16)
     assert d.ladder == ((2, 4), (4, 8), (8, 16))
-    assert set(DEFAULTS) == {"source", "min_n", "max_n", "ladder", "max_block"}
+    assert (d.max_edits, d.realign) == (1, True)
+    assert set(DEFAULTS) == {
+        "source",
+        "min_n",
+        "max_n",
+        "ladder",
+        "max_block",
+        "max_edits",
+        "realign",
+    }
 
 
 def test_unknown_option_names_the_accepted_ones():
@@ -74,6 +83,8 @@ def test_unknown_option_names_the_accepted_ones():
         ({"ladder": [[2, 0]]}, "block"),
         ({"ladder": [[2, 4, 6]]}, "ladder"),
         ({"ladder": 5}, "ladder"),
+        ({"max_edits": 3}, "max_edits"),
+        ({"realign": "yes"}, "realign"),
     ],
 )
 def test_bad_option_values(options, fragment):
@@ -236,3 +247,17 @@ def test_index_cost_is_per_token():
     assert d.stats()["index_entries"] - entries == 3 * 3
     d.propose(h, 4)
     assert d.stats()["index_entries"] - entries == 3 * 3
+
+
+def test_rename_is_copied_through():
+    # The output copies the prompt with 90 renamed to 91: after the rename the copy
+    # continues from the aligned position.
+    source = list(range(10, 30)) + [90] + list(range(30, 50))
+    d = started(source)
+    h = commit(d, source, [10, 11, 12, 13, 14])
+    h = commit(d, h, list(range(15, 30)) + [91])
+    draft = d.propose(h, 8)
+    assert draft.tokens == tuple(range(30, 38))
+    assert d.stats()["realigned"] == 1
+    exact = started(source, max_edits=0, realign=False)
+    assert exact.propose(h, 8) is None

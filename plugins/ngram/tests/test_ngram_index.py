@@ -9,6 +9,9 @@ from specdec_ngram.index import NgramIndex, NgramMatch
 
 
 def build(tokens, **kw):
+    """An index over ``tokens``; exact matching unless the test asks for edits/realignment."""
+    kw.setdefault("max_edits", 0)
+    kw.setdefault("realign", False)
     idx = NgramIndex(**kw)
     idx.extend(tokens)
     return idx
@@ -94,12 +97,14 @@ def test_min_n_bounds_matches():
 def test_incremental_equals_batch():
     rng = random.Random(0)
     toks = [rng.randrange(6) for _ in range(300)]
-    inc = NgramIndex(2, 5)
-    for i, t in enumerate(toks):
-        inc.append(t)
-        batch = build(toks[: i + 1], min_n=2, max_n=5)
-        assert inc.find() == batch.find()
-    assert inc.tokens == toks
+    for kw in ({"max_edits": 0, "realign": False}, {}):
+        inc = NgramIndex(2, 5, **kw)
+        for i, t in enumerate(toks):
+            inc.append(t)
+            batch = NgramIndex(2, 5, **kw)
+            batch.extend(toks[: i + 1])
+            assert inc.find() == batch.find()
+        assert inc.tokens == toks
 
 
 def test_matches_brute_force_reference():
@@ -161,9 +166,98 @@ def test_bad_arguments():
         NgramIndex(3, 2)
     with pytest.raises(ValueError, match="limit"):
         NgramIndex(1, 2, limit=-1)
+    with pytest.raises(ValueError, match="max_edits"):
+        NgramIndex(1, 2, max_edits=3)
 
 
 def test_clear():
     idx = build([1, 2, 1, 2])
     idx.clear()
     assert len(idx) == 0 and idx.entries == 0 and idx.find() is None
+
+
+def test_hash_collisions_never_give_a_wrong_match(monkeypatch):
+    # With a zero multiplier every n-gram's key is its oldest token: chains mix
+    # unrelated n-grams, and only token-by-token comparison keeps the answer right.
+    import specdec_ngram.index as index_module
+
+    monkeypatch.setattr(index_module, "_MUL", 0)
+    rng = random.Random(2)
+    for trial in range(100):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(1, 60))]
+        idx = build(toks, min_n=2, max_n=5, max_candidates=10_000, max_extend=12)
+        assert idx.find() == brute_force_best(toks, 2, 5, 12), (trial, toks)
+
+
+# -- copying with a small change: edits and realignment -----------------------------------
+
+OLD, NEW, NEW2 = 90, 91, 92
+
+
+def test_realign_after_a_substituted_token():
+    source = [1, 2, 3, 4, OLD, 5, 6, 7, 8]
+    idx = build(source + [9, 1, 2, 3, 4, NEW], realign=True)
+    m = idx.find()
+    assert m.skipped == 1 and m.position == 5  # copy on past OLD
+    assert idx.continuation(m, 3) == [5, 6, 7]
+    assert m.length == 4
+    # without realignment nothing matches the new token
+    assert build(source + [9, 1, 2, 3, 4, NEW]).find() is None
+
+
+def test_realign_after_two_tokens_replacing_one():
+    source = [1, 2, 3, 4, OLD, 5, 6, 7, 8]
+    idx = build(source + [9, 1, 2, 3, 4, NEW, NEW2], realign=True)
+    m = idx.find()
+    assert m.skipped == 2 and idx.continuation(m, 3) == [5, 6, 7]
+
+
+def test_exact_match_that_disagrees_wins_over_realignment():
+    # NEW was already followed by 40 once (an earlier edit): trust that.
+    source = [1, 2, 3, 4, OLD, 5, 6, 7, 8, 4, NEW, 40, 41]
+    idx = build(source + [1, 2, 3, 4, NEW], realign=True)
+    m = idx.find()
+    assert m.skipped == 0 and idx.continuation(m, 2) == [40, 41]
+    # ... but when it agrees on the next token the longer, aligned match wins
+    source = [1, 2, 3, 4, OLD, 5, 6, 7, 8, 4, NEW, 5, 41]
+    idx = build(source + [1, 2, 3, 4, NEW], realign=True)
+    m = idx.find()
+    assert m.skipped == 1 and idx.continuation(m, 4) == [5, 6, 7, 8]
+
+
+def test_edit_in_the_extension_finds_the_aligned_occurrence():
+    # Both occurrences of [OLD, 5, 6] match the last 2 tokens exactly; across the edit
+    # the older one lines up with much more context.
+    aligned = [11, 12, 13, 14, OLD, 5, 6, 20, 21, 22]
+    recent = [30, 31, OLD, 5, 6, 40, 41, 42]
+    history = [11, 12, 13, 14, NEW, 5, 6]
+    exact = build(aligned + recent + history, min_n=2, max_n=2)
+    assert exact.continuation(exact.find(), 3) == [40, 41, 42]  # most recent of a tie
+    edits = build(aligned + recent + history, min_n=2, max_n=2, max_edits=1)
+    m = edits.find()
+    assert edits.continuation(m, 3) == [20, 21, 22]
+    assert m.length == 6  # 2 + 4 across the edit; the edit itself is not counted
+
+
+@pytest.mark.parametrize(
+    "history, expected",
+    [
+        ([11, 12, 14, 15, 16], "deletion"),  # 13 dropped
+        ([11, 12, 13, 99, 14, 15, 16], "insertion"),  # 99 added
+    ],
+)
+def test_edit_kinds_in_the_extension(history, expected):
+    aligned = [10, 11, 12, 13, 14, 15, 16, 50, 51]
+    decoy = [7, 8, 14, 15, 16, 60, 61]
+    idx = build(aligned + decoy + history, min_n=3, max_n=3, max_edits=1)
+    assert idx.continuation(idx.find(), 2) == [50, 51], expected
+
+
+def test_prefilter_keeps_results_with_edits():
+    rng = random.Random(3)
+    for trial in range(150):
+        toks = [rng.randrange(3) for _ in range(rng.randrange(2, 70))]
+        fast = build(toks, min_n=2, max_n=4, max_edits=1, max_candidates=10_000)
+        slow = build(toks, min_n=2, max_n=4, max_edits=1, max_candidates=10_000)
+        slow._may_beat = lambda pos, end, best: True  # compare every candidate in full
+        assert fast.find() == slow.find(), (trial, toks)

@@ -29,6 +29,8 @@ DEFAULTS: Mapping[str, Any] = {
     "max_n": 8,
     "ladder": ((2, 4), (4, 8), (8, 16)),
     "max_block": 16,
+    "max_edits": 1,
+    "realign": True,
 }
 
 
@@ -74,6 +76,10 @@ class NgramCopyDrafter(BaseDrafter):
         max_block: the largest block this drafter proposes. The core's
             ``max_len`` (policy ``max_block``, tokens left, the governor's budget)
             may cut it shorter.
+        max_edits: edited tokens (substituted, inserted, deleted) a match may step
+            over when it is extended backwards, 0 to 2 (0: exact matching).
+        realign: right after an edit, copy on from the aligned source position
+            past the edited token.
 
     Raises:
         specdec.PolicyError: an option has a bad value.
@@ -89,6 +95,8 @@ class NgramCopyDrafter(BaseDrafter):
         max_n: int = DEFAULTS["max_n"],
         ladder: Sequence[Sequence[int]] = DEFAULTS["ladder"],
         max_block: int = DEFAULTS["max_block"],
+        max_edits: int = DEFAULTS["max_edits"],
+        realign: bool = DEFAULTS["realign"],
     ) -> None:
         if source not in SOURCES:
             raise specdec.PolicyError(
@@ -101,11 +109,21 @@ class NgramCopyDrafter(BaseDrafter):
                 )
         if min_n > max_n:
             raise specdec.PolicyError(f"{NAME}: min_n ({min_n}) must be <= max_n ({max_n})")
+        if not _is_int(max_edits) or not 0 <= max_edits <= 2:
+            raise specdec.PolicyError(
+                f"{NAME}: option max_edits must be 0, 1 or 2, got {max_edits!r}"
+            )
+        if not isinstance(realign, bool):
+            raise specdec.PolicyError(
+                f"{NAME}: option realign must be true or false, got {realign!r}"
+            )
         self.source = source
         self.min_n = min_n
         self.max_n = max_n
         self.ladder = _parse_ladder(ladder)
         self.max_block = max_block
+        self.max_edits = max_edits
+        self.realign = realign
         self._prompt_len = 0
         self._dirty = False
         self.index = self._new_index(0)
@@ -145,6 +163,8 @@ class NgramCopyDrafter(BaseDrafter):
             self.misses += 1
             return None
         self.hits += 1
+        if match.skipped:
+            self.realigned += 1
         self.proposed_tokens += len(tokens)
         self.match_len_total += match.length
         self.longest_match = max(self.longest_match, match.length)
@@ -179,7 +199,8 @@ class NgramCopyDrafter(BaseDrafter):
         self.index = self._new_index(0)
 
     def stats(self) -> dict:
-        """Per-request counts: lookups, hits, misses, proposed/accepted tokens, match lengths."""
+        """Per-request counts: lookups, hits (``realigned``: after an edit), misses,
+        proposed/accepted tokens, match lengths, index size, resyncs."""
         return {
             "source": self.source,
             "lookups": self.lookups,
@@ -190,6 +211,7 @@ class NgramCopyDrafter(BaseDrafter):
             "rounds_verified": self.rounds_verified,
             "mean_match_len": (self.match_len_total / self.hits) if self.hits else 0.0,
             "longest_match": self.longest_match,
+            "realigned": self.realigned,
             "indexed_tokens": len(self.index),
             "index_entries": self.index.entries,
             "resyncs": self.resyncs,
@@ -209,7 +231,9 @@ class NgramCopyDrafter(BaseDrafter):
     def _new_index(self, prompt_len: int) -> NgramIndex:
         # "prompt": copy only from the first prompt_len tokens (none before begin()).
         limit = prompt_len if self.source == "prompt" else None
-        return NgramIndex(self.min_n, self.max_n, limit=limit)
+        return NgramIndex(
+            self.min_n, self.max_n, limit=limit, max_edits=self.max_edits, realign=self.realign
+        )
 
     def _rebuild(self, tokens: list[int], *, prompt_len: int | None = None) -> None:
         if prompt_len is not None:
@@ -242,6 +266,7 @@ class NgramCopyDrafter(BaseDrafter):
         self.rounds_verified = 0
         self.match_len_total = 0
         self.longest_match = 0
+        self.realigned = 0
         self.last_match: NgramMatch | None = None
         self.resyncs = 0
 

@@ -1,12 +1,26 @@
 """NgramIndex: an incremental n-gram index over a growing token sequence.
 
-For every ``n`` in ``[min_n, max_n]`` the index maps each n-gram to the
-positions that followed its occurrences (a hash chain, as zlib keeps one).
-Appending a token adds ``max_n - min_n + 1`` entries, so indexing costs O(1)
-per token and never rescans the sequence. A lookup tries the last ``max_n``
-tokens first and walks down to ``min_n``; among the occurrences of the first
-n-gram that occurred before, it extends each match backwards and keeps the
-longest, then the most recent.
+For every ``n`` in ``[min_n, max_n]`` the index keeps hash chains as zlib does:
+``head[key]`` is the most recent position that followed an n-gram with that key
+and ``prev[p]`` the one before it. Keys are rolling hashes of the n-gram, so
+appending a token costs ``max_n - min_n + 1`` integer updates, allocates no
+per-n-gram objects and never rescans the sequence (O(1) per token). A lookup
+tries the last ``max_n`` tokens first and walks down to ``min_n``; among the
+occurrences of the first n-gram that occurred before, it extends each match
+backwards and keeps the longest, then the most recent. Every candidate is
+compared token by token, so a hash collision can never produce a wrong match.
+
+Copying a text with a small change (a renamed identifier) is the case that
+matters most, so two refinements are on by default:
+
+- *Edits.* Extending a match backwards may step over ``max_edits`` edited
+  tokens (a substitution, an insertion or a deletion), so the occurrence that
+  is aligned with the source text outscores unrelated ones that only share the
+  last few tokens.
+- *Realignment.* Right after an edit the last token occurs nowhere in the
+  source, so no n-gram matches. The lookup then treats the last token (or the
+  last two) as replacing one source token and copies on from the aligned
+  position past it.
 
 The module is pure Python and does not import specdec, so it can be reused and
 tested on its own.
@@ -14,8 +28,12 @@ tested on its own.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from typing import NamedTuple
+
+_MASK = (1 << 64) - 1
+_MUL = 0x9E3779B97F4A7C15  # odd: the rolling key is a bijection of the last key
 
 
 class NgramMatch(NamedTuple):
@@ -28,11 +46,15 @@ class NgramMatch(NamedTuple):
             and from the end of the sequence (at least the n that was looked up;
             capped at the index's ``max_extend``).
         n: the n-gram size whose lookup found the match.
+        skipped: 0 for a match that ends at the end of the sequence; 1 or 2 for a
+            realigned match: the last ``skipped`` tokens are taken to replace the
+            source token before ``position``.
     """
 
     position: int
     length: int
     n: int
+    skipped: int = 0
 
 
 class NgramIndex:
@@ -48,6 +70,9 @@ class NgramIndex:
             are extended backwards per lookup (bounds the cost of a lookup).
         max_extend: the longest backwards extension measured; matches at least
             this long tie on length and the most recent wins.
+        max_edits: edited tokens a backwards extension may step over (0: exact).
+        realign: after an edit, copy on from the aligned position (see the module
+            docstring).
 
     Raises:
         ValueError: a bound is not a positive integer or ``min_n > max_n``.
@@ -61,6 +86,8 @@ class NgramIndex:
         limit: int | None = None,
         max_candidates: int = 64,
         max_extend: int = 64,
+        max_edits: int = 1,
+        realign: bool = True,
     ) -> None:
         for label, value in (
             ("min_n", min_n),
@@ -72,6 +99,8 @@ class NgramIndex:
                 raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
         if min_n > max_n:
             raise ValueError(f"min_n ({min_n}) must be <= max_n ({max_n})")
+        if not isinstance(max_edits, int) or isinstance(max_edits, bool) or not 0 <= max_edits <= 2:
+            raise ValueError(f"max_edits must be 0, 1 or 2, got {max_edits!r}")
         if limit is not None and (not isinstance(limit, int) or limit < 0):
             raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
         self.min_n = min_n
@@ -79,11 +108,13 @@ class NgramIndex:
         self.limit = limit
         self.max_candidates = max_candidates
         self.max_extend = max(max_extend, max_n)
+        self.max_edits = max_edits
+        self.realign = bool(realign)
         self._tokens: list[int] = []
-        # _tables[n - min_n][ngram] -> positions that followed it, oldest first.
-        self._tables: list[dict[tuple[int, ...], list[int]]] = [
-            {} for _ in range(max_n - min_n + 1)
-        ]
+        # Per n (index n - min_n): head[key] -> most recent following position, and
+        # prev[p] -> the previous position whose n-gram had the same key (-1: none).
+        self._heads: list[dict[int, int]] = [{} for _ in range(max_n - min_n + 1)]
+        self._prevs: list[array] = [array("q") for _ in range(max_n - min_n + 1)]
         self.entries = 0
 
     # -- building ------------------------------------------------------------------
@@ -101,19 +132,24 @@ class NgramIndex:
         toks = self._tokens
         p = len(toks)
         toks.append(int(token))
-        if self.limit is not None and p >= self.limit:
-            return
         lo = self.min_n
         hi = min(self.max_n, p)
-        for n in range(lo, hi + 1):
-            key = tuple(toks[p - n : p])
-            table = self._tables[n - lo]
-            chain = table.get(key)
-            if chain is None:
-                table[key] = [p]
+        if self.limit is not None and p >= self.limit:
+            hi = lo - 1  # past the limit: keep positions aligned, index nothing
+        h = 0
+        for k in range(1, self.max_n + 1):
+            if k <= hi:
+                h = (h * _MUL + toks[p - k] + 1) & _MASK
+            if k < lo:
+                continue
+            i = k - lo
+            if k <= hi:
+                head = self._heads[i]
+                self._prevs[i].append(head.get(h, -1))
+                head[h] = p
+                self.entries += 1
             else:
-                chain.append(p)
-            self.entries += 1
+                self._prevs[i].append(-1)
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Add tokens in order (O(1) each)."""
@@ -123,8 +159,8 @@ class NgramIndex:
     def clear(self) -> None:
         """Forget every token."""
         self._tokens = []
-        for table in self._tables:
-            table.clear()
+        self._heads = [{} for _ in self._heads]
+        self._prevs = [array("q") for _ in self._prevs]
         self.entries = 0
 
     # -- lookup --------------------------------------------------------------------
@@ -133,43 +169,111 @@ class NgramIndex:
         """The best earlier occurrence of the end of the sequence, or ``None``.
 
         Longest n-gram first (``max_n`` down to ``min_n``); within the first n that
-        has occurrences, the longest backwards match, then the most recent.
+        has occurrences, the longest backwards match (stepping over up to
+        ``max_edits`` edits), then the most recent. With ``realign``, a match of the
+        sequence without its last token (or last two) that is longer than the
+        exact match, and predicts the same next token, wins: see the module
+        docstring.
         """
         toks = self._tokens
         end = len(toks)
+        match = self._lookup(end)
+        if not self.realign or end < 2:
+            return match
+        stop = end if self.limit is None else min(self.limit, end)
+        # The last token replaced the source token at m1.position.
+        m1 = self._lookup(end - 1)
+        if m1 is not None and toks[m1.position] != toks[end - 1]:
+            pos = m1.position + 1
+            if pos < stop and (
+                match is None or (m1.length > match.length and toks[match.position] == toks[pos])
+            ):
+                return NgramMatch(pos, m1.length, m1.n, 1)
+        # The last two tokens replaced one source token.
+        if match is None and m1 is None and end >= 3:
+            m2 = self._lookup(end - 2)
+            if m2 is not None and toks[m2.position] != toks[end - 2]:
+                pos = m2.position + 1
+                if pos < stop:
+                    return NgramMatch(pos, m2.length, m2.n, 2)
+        return match
+
+    def _lookup(self, end: int) -> NgramMatch | None:
+        # The best earlier occurrence of the suffix of toks[:end].
+        toks = self._tokens
         lo = self.min_n
-        for n in range(min(self.max_n, end), lo - 1, -1):
-            chain = self._tables[n - lo].get(tuple(toks[end - n :]))
-            if not chain:
-                continue
-            best_pos = chain[-1]
-            best_len = self._extend_back(best_pos, end, n)
-            # Walk older occurrences, most recent first, so ties keep the most recent.
-            # As zlib does, a candidate must match the token at distance best_len before
-            # it is extended at all: most are rejected in O(1), even inside long runs.
-            stop = max(len(chain) - self.max_candidates, 0)
-            for k in range(len(chain) - 2, stop - 1, -1):
-                if best_len >= self.max_extend:
+        top = min(self.max_n, end)
+        keys = []
+        h = 0
+        for k in range(1, top + 1):
+            h = (h * _MUL + toks[end - k] + 1) & _MASK
+            keys.append(h)
+        cap = self.max_extend
+        for n in range(top, lo - 1, -1):
+            pos = self._heads[n - lo].get(keys[n - 1], -1)
+            prev = self._prevs[n - lo]
+            best_pos = best_len = -1
+            # Walk the chain from the most recent occurrence, so ties keep the most
+            # recent. As zlib does, a candidate must match a token near distance
+            # best_len (allowing for the edits) before it is compared in full:
+            # most are rejected in O(1), even inside long runs of one token.
+            for _ in range(self.max_candidates):
+                if pos < 0:
                     break
-                pos = chain[k]
-                if pos - 1 - best_len < 0 or toks[pos - 1 - best_len] != toks[end - 1 - best_len]:
-                    continue
-                length = self._extend_back(pos, end, n)
-                if length > best_len:
-                    best_pos, best_len = pos, length
-            return NgramMatch(best_pos, best_len, n)
+                if pos < end and (best_len < 0 or self._may_beat(pos, end, best_len)):
+                    length = self._match_len(pos, end, n)
+                    if length > best_len:
+                        best_pos, best_len = pos, length
+                        if length >= cap:
+                            break
+                pos = prev[pos]
+            if best_len >= 0:
+                return NgramMatch(best_pos, best_len, n)
         return None
 
-    def _extend_back(self, pos: int, end: int, n: int) -> int:
-        # toks[pos - n : pos] == toks[end - n : end] holds already; count further.
+    def _may_beat(self, pos: int, end: int, best: int) -> bool:
+        # A necessary condition for a match longer than ``best``: among the history
+        # tokens at distances best .. best + edits, one that is not an edit lines
+        # up with the candidate at an offset of at most ``edits``.
         toks = self._tokens
-        length = n
-        i, j = pos - n - 1, end - n - 1
-        cap = self.max_extend
-        while length < cap and i >= 0 and toks[i] == toks[j]:
-            length += 1
-            i -= 1
-            j -= 1
+        e = self.max_edits
+        for k in range(best, best + e + 1):
+            j = end - 1 - k
+            if j < 0:
+                return False
+            t = toks[j]
+            for s in range(-e, e + 1):
+                i = pos - 1 - k + s
+                if 0 <= i < j and toks[i] == t:
+                    return True
+        return False
+
+    def _match_len(self, pos: int, end: int, n: int) -> int:
+        # Tokens before ``pos`` matching those before ``end``: the n-gram exactly
+        # (else the hit was a hash collision: -1), then up to max_edits edits.
+        toks = self._tokens
+        if toks[pos - n : pos] != toks[end - n : end]:
+            return -1
+        return n + self._extend(pos - n - 1, end - n - 1, self.max_edits, self.max_extend - n)
+
+    def _extend(self, i: int, j: int, edits: int, cap: int) -> int:
+        toks = self._tokens
+        length = 0
+        # i < j: a candidate never matches against itself.
+        while length < cap and 0 <= i < j:
+            if toks[i] == toks[j]:
+                length += 1
+                i -= 1
+                j -= 1
+                continue
+            if edits == 0:
+                break
+            rest = cap - length
+            return length + max(
+                self._extend(i - 1, j - 1, edits - 1, rest),  # substitution
+                self._extend(i, j - 1, edits - 1, rest),  # a token inserted in the history
+                self._extend(i - 1, j, edits - 1, rest),  # a source token deleted
+            )
         return length
 
     def continuation(self, match: NgramMatch, count: int) -> list[int]:
