@@ -78,7 +78,7 @@ def host_with(plugin, *, name="test-plugin", distribution="specdec-plugin-test",
     host.register_plugin(plugin, name=name, distribution=distribution, version=version)
     # register_plugin does not re-run the registration hooks; rebuild the tables
     # (as specdec.testing.plugin_host does).
-    host._collect()
+    host.refresh()
     return host
 
 

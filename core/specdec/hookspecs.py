@@ -4,9 +4,12 @@ Each hook receives a ``register`` callback. Call it once per component::
 
     register(name: str, factory: Callable[..., Component], *, description: str = "")
 
-``factory(**options)`` is called once per request with the options the policy
-gives for ``name`` and returns the component. Components are resolved once per
-request; no hook is called inside the per-token loop.
+``factory(**options)`` is called with the options the policy gives for
+``name`` and returns the component: drafters, governors, verifiers and
+acceptors once per pipeline (at :func:`specdec.assemble`, so bad names and
+options fail before any model work; their ``begin``/``end`` bracket each
+request), cache rollbacks once per request. Hooks run when plugins are
+loaded; none is called inside the per-token loop.
 """
 
 from __future__ import annotations

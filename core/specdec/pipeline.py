@@ -136,6 +136,11 @@ class Pipeline:
         for d in self.drafters:
             if not getattr(d, "name", None):
                 raise PolicyError(f"drafter {d!r} has no name attribute")
+            if "hidden" in getattr(d, "needs", ()) and policy.verifier == "logits":
+                raise PolicyError(
+                    f"drafter {d.name!r} needs the target's hidden states: set verifier = 'hidden' "
+                    "(or another verifier that returns them) in the policy"
+                )
             attach = getattr(d, "attach", None)
             if attach is not None:
                 attach(model, tokenizer)

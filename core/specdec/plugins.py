@@ -102,6 +102,7 @@ class PluginHost:
         self.failures: list[PluginFailure] = []
         self._dist_of: dict[str, PluginInfo] = {}
         self.components: dict[str, dict[str, ComponentInfo]] = {role: {} for role in ROLES}
+        self._collected = False
         self.trace = os.environ.get("SPECDEC_TRACE_PLUGINS", "") not in ("", "0")
         if self.trace:
             self.pm.trace.root.setwriter(lambda s: sys.stderr.write(f"specdec trace: {s}"))
@@ -168,13 +169,22 @@ class PluginHost:
         info = PluginInfo(name=name, distribution=distribution, version=version)
         self._dist_of[name] = info
         self.plugins.append(info)
+        if self._collected:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Re-run the registration hooks of every registered plugin (after adding one by hand)."""
+        self._collect()
 
     def _collect(self) -> None:
         for role in ROLES:
             self.components[role] = {}
+        self._collected = True
         for role, hook_name in _HOOK_BY_ROLE.items():
             hook = getattr(self.pm.hook, hook_name)
-            for impl in reversed(hook.get_hookimpls()):  # registration order
+            # Each implementation is called on its own so every name is tied to
+            # its distribution; no order between plugins is promised.
+            for impl in hook.get_hookimpls():
                 plugin = self._dist_of.get(impl.plugin_name) or PluginInfo(
                     impl.plugin_name, "unknown", "unknown"
                 )
@@ -217,7 +227,9 @@ class PluginHost:
                 f"({plugin.distribution} {plugin.version})",
                 file=sys.stderr,
             )
-        impl.function(register=register)
+        # Hooks grow by adding arguments: pass only those the implementation declares.
+        available = {"register": register}
+        impl.function(**{k: v for k, v in available.items() if k in impl.argnames})
 
     # -- lookup ------------------------------------------------------------------
 

@@ -34,7 +34,6 @@ def plugin_host(*plugins: Any, load_entry_points: bool = True) -> Iterator[Plugi
         if host.pm.is_registered(p) or name in {i.name for i in host.plugins}:
             continue
         host.register_plugin(p, name=name, distribution="test")
-    host._collect()
     previous = get_plugin_host() if _has_host() else None
     reset_plugin_host(host)
     try:
@@ -55,7 +54,6 @@ def _host_with_oracle() -> PluginHost:
         from .oracle import oracle_plugin
 
         host.register_plugin(oracle_plugin, name="specdec.testing.oracle", distribution="test")
-        host._collect()
     return host
 
 
