@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import shutil
+import subprocess
 
 import pytest
 import specdec
@@ -61,6 +64,18 @@ def test_installed_through_entry_point():
     info = PluginHost().get("governor", "copy_governor")
     assert info.distribution == "specdec-plugin-copy-governor"
     assert info.description
+
+
+def test_listed_by_specdec_plugins():
+    exe = shutil.which("specdec")
+    if exe is None:
+        pytest.skip("the specdec command is not installed")
+    out = subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plugins = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
+    if "specdec-plugin-copy-governor" not in plugins:
+        pytest.skip("specdec-plugin-copy-governor is not installed")
+    assert plugins["specdec-plugin-copy-governor"]["components"] == {"governor": ["copy_governor"]}
 
 
 def test_options_reach_the_governor_and_unknown_ones_fail(model, reference):

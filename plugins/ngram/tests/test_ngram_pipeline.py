@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import random
+import shutil
+import subprocess
 
 import pytest
 import specdec
@@ -81,12 +84,42 @@ def test_installed_through_entry_point():
     assert info.description
 
 
+def test_listed_by_specdec_plugins():
+    exe = shutil.which("specdec")
+    if exe is None:
+        pytest.skip("the specdec command is not installed")
+    out = subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plugins = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
+    if "specdec-plugin-ngram" not in plugins:
+        pytest.skip("specdec-plugin-ngram is not installed")
+    assert plugins["specdec-plugin-ngram"]["components"] == {"drafter": ["ngram_copy"]}
+
+
 def test_policy_options_reach_the_drafter():
     model = make_tiny_model("llama", vocab_size=64, seed=0)
     pol = NGRAM.with_options("ngram_copy", min_n=3, max_block=5, source="prompt")
     pipe = specdec.assemble(model, policy=pol)
     (drafter,) = pipe.drafters
     assert (drafter.min_n, drafter.max_block, drafter.source) == (3, 5, "prompt")
+
+
+def test_options_from_a_toml_policy(tmp_path):
+    path = tmp_path / "copy.toml"
+    path.write_text(
+        'drafters = ["ngram_copy"]\ngovernor = "copy_governor"\n\n'
+        "[options.ngram_copy]\n"
+        'source = "prompt"\nmin_n = 3\nmax_n = 6\nladder = [[3, 2], [6, 12]]\n'
+        "max_block = 12\nmax_edits = 0\nrealign = false\n\n"
+        "[options.copy_governor]\nprobation_cap = 2\n",
+        encoding="utf-8",
+    )
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    pipe = specdec.assemble(model, policy=specdec.load_policy(path))
+    (d,) = pipe.drafters
+    assert (d.source, d.min_n, d.max_n, d.max_block) == ("prompt", 3, 6, 12)
+    assert d.ladder == ((3, 2), (6, 12)) and (d.max_edits, d.realign) == (0, False)
+    assert pipe.governor.probation_cap == 2
 
 
 def test_unknown_option_fails_at_assemble():
