@@ -9,7 +9,6 @@ import subprocess
 
 import pytest
 import specdec
-from specdec.plugins import PluginHost
 from specdec.testing import check_greedy_identity, make_tiny_model, plugin_host
 
 PROMPT = [5, 17, 3, 42, 8, 23, 11, 60, 2, 31]
@@ -61,7 +60,7 @@ def test_installed_through_entry_point():
     assert [(ep.name, ep.value) for ep in eps] == [
         ("copy_governor", "specdec_copy_governor.plugin")
     ]
-    info = PluginHost().get("governor", "copy_governor")
+    info = specdec.get_plugin_host().get("governor", "copy_governor")
     assert info.distribution == "specdec-plugin-copy-governor"
     assert info.description
 

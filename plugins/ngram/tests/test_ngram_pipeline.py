@@ -11,7 +11,6 @@ import subprocess
 
 import pytest
 import specdec
-from specdec.plugins import PluginHost
 from specdec.testing import (
     check_caches_match_plain,
     check_fewer_forwards,
@@ -79,7 +78,7 @@ def test_installed_through_entry_point():
         pytest.skip("specdec-plugin-ngram is not installed")
     eps = [ep for ep in dist.entry_points if ep.group == "specdec"]
     assert [(ep.name, ep.value) for ep in eps] == [("ngram_copy", "specdec_ngram.plugin")]
-    info = PluginHost().get("drafter", "ngram_copy")
+    info = specdec.get_plugin_host().get("drafter", "ngram_copy")
     assert info.distribution == "specdec-plugin-ngram"
     assert info.description
 
