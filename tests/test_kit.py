@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import specdec
 from mlx_lm.models.cache import make_prompt_cache
-from specdec.testing import ARCHITECTURES, OracleDrafter, copy_heavy_prompt, plain_greedy
+from specdec.testing import (
+    ARCHITECTURES,
+    OracleDrafter,
+    check_greedy_identity,
+    copy_heavy_prompt,
+    plain_greedy,
+)
 from specdec.verifiers import HiddenStateVerifier, LogitsVerifier
 
 
@@ -68,3 +74,18 @@ def test_oracle_corruption_modes(models):
 def test_fresh_host_fixture(specdec_fresh_host):
     assert specdec.get_plugin_host() is specdec_fresh_host
     assert "draft_model" in specdec_fresh_host.names("drafter")
+
+
+def test_greedy_identity_check_with_stop_as_first_token(models, copy_prompts):
+    m = models["llama"]
+    first = plain_greedy(m, copy_prompts["llama"], 1)[0]
+    pol = specdec.Policy(drafters=("oracle",), options={"oracle": {"model": m}})
+    r = check_greedy_identity(
+        m,
+        pol,
+        copy_prompts["llama"],
+        max_tokens_list=[4],
+        stop_tokens=[first],
+        require_drafts=False,
+    )
+    assert r["runs"] == 2
