@@ -379,7 +379,10 @@ class Pipeline:
                 )
             for d in drafters:
                 stats.per_drafter[d.name] = {"rounds": 0, "drafted": 0, "accepted": 0}
-            yield from self._rounds(row, drafters, plan, detok, on_round)
+            if not drafters and on_round is None:
+                yield from self._plain_rounds(row, detok)
+            else:
+                yield from self._rounds(row, drafters, plan, detok, on_round)
         finally:
             for d in begun:
                 try:
@@ -466,48 +469,89 @@ class Pipeline:
                 d.observe(result)
             if on_round is not None:
                 on_round(result, caches)
-            for i, tok in enumerate(new):
-                finish = None
-                if tok in row.stop_ids:
-                    finish = "stop"
-                    detok.finalize()
-                    seg = detok.last_segment
-                    yield from self._finish(
-                        row, seg, tok, i < n_acc, finish, t_start, pos + i, is_stop_token=True
-                    )
-                    return
-                detok.add_token(tok)
+            if (yield from self._emit(row, new, n_acc, pos, detok, t_start)):
+                return
+
+    def _plain_rounds(self, row: _Row, detok: Any) -> Iterator[StreamResponse]:
+        """Plain decoding, pipelined like mlx-lm: the next forward is queued before the
+        current token is read back, so graph building overlaps computation."""
+        stats, caches, sampler = row.stats, row.caches, row.sampler
+        t_start = time.perf_counter()
+        hist = mx.array(row.history) if row.processors else None
+
+        def step(tok: mx.array, position: int) -> mx.array:
+            logits = self.verifier.verify(self.model, tok, caches).logits
+            if row.processors:
+                for p in row.processors:
+                    logits = p(hist, logits)
+            return sampler.sample_lazy(logits, position)
+
+        y = step(mx.array(row.history[-1:]), len(row.history))
+        mx.async_eval(y)
+        while True:
+            pos = len(row.history)
+            nxt = None
+            if row.n_out + 1 < row.max_tokens:
+                if row.processors:
+                    hist = mx.concatenate([hist, y])
+                nxt = step(y, pos + 1)
+                mx.async_eval(nxt)
+            tok = int(y.item())
+            stats.target_forwards += 1
+            row.history.append(tok)
+            if (yield from self._emit(row, [tok], 0, pos, detok, t_start)):
+                return
+            y = nxt
+
+    def _emit(
+        self, row: _Row, new: list, n_acc: int, pos: int, detok: Any, t_start: float
+    ) -> Iterator[StreamResponse]:
+        """Yield the committed tokens ``new`` (the first ``n_acc`` were drafts); return True when the stream ended."""
+        stats = row.stats
+        for i, tok in enumerate(new):
+            finish = None
+            if tok in row.stop_ids:
+                finish = "stop"
+                detok.finalize()
                 seg = detok.last_segment
-                row.n_out += 1
-                if row.stop_strings:
-                    # Text that could begin a stop string is held back until it cannot.
-                    buf = row.pending + seg
-                    hits = [buf.find(s) for s in row.stop_strings if s in buf]
-                    if hits:
-                        yield from self._finish(
-                            row, buf[: min(hits)], tok, i < n_acc, "stop", t_start, pos + i
-                        )
-                        return
-                    hold = max(len(s) for s in row.stop_strings) - 1
-                    cut = max(0, len(buf) - hold)
-                    seg, row.pending = buf[:cut], buf[cut:]
-                if row.n_out >= row.max_tokens:
-                    detok.finalize()
-                    seg += detok.last_segment
-                    if row.stop_strings:
-                        tail = row.pending + detok.last_segment
-                        hits = [tail.find(s) for s in row.stop_strings if s in tail]
-                        seg = seg[: len(seg) - len(detok.last_segment)] + (
-                            tail[: min(hits)] if hits else tail
-                        )
-                        row.pending = ""
-                    reason = "stop" if row.stop_strings and hits else "length"
-                    yield from self._finish(row, seg, tok, i < n_acc, reason, t_start, pos + i)
-                    return
-                row.text += seg
-                yield StreamResponse(
-                    text=seg, token=tok, from_draft=i < n_acc, position=pos + i, stats=stats
+                yield from self._finish(
+                    row, seg, tok, i < n_acc, finish, t_start, pos + i, is_stop_token=True
                 )
+                return True
+            detok.add_token(tok)
+            seg = detok.last_segment
+            row.n_out += 1
+            if row.stop_strings:
+                # Text that could begin a stop string is held back until it cannot.
+                buf = row.pending + seg
+                hits = [buf.find(s) for s in row.stop_strings if s in buf]
+                if hits:
+                    yield from self._finish(
+                        row, buf[: min(hits)], tok, i < n_acc, "stop", t_start, pos + i
+                    )
+                    return True
+                hold = max(len(s) for s in row.stop_strings) - 1
+                cut = max(0, len(buf) - hold)
+                seg, row.pending = buf[:cut], buf[cut:]
+            if row.n_out >= row.max_tokens:
+                detok.finalize()
+                seg += detok.last_segment
+                if row.stop_strings:
+                    tail = row.pending + detok.last_segment
+                    hits = [tail.find(s) for s in row.stop_strings if s in tail]
+                    seg = seg[: len(seg) - len(detok.last_segment)] + (
+                        tail[: min(hits)] if hits else tail
+                    )
+                    row.pending = ""
+                reason = "stop" if row.stop_strings and hits else "length"
+                yield from self._finish(row, seg, tok, i < n_acc, reason, t_start, pos + i)
+                return True
+            row.text += seg
+            yield StreamResponse(
+                text=seg, token=tok, from_draft=i < n_acc, position=pos + i, stats=stats
+            )
+
+        return False
 
     def _finish(
         self,
