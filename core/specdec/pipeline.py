@@ -467,6 +467,8 @@ class Pipeline:
             row.history.extend(new)
             for d in drafters:
                 d.observe(result)
+            if self.governor is not None and hasattr(self.governor, "observe_round"):
+                self.governor.observe_round(result)
             if on_round is not None:
                 on_round(result, caches)
             if (yield from self._emit(row, new, n_acc, pos, detok, t_start)):

@@ -74,7 +74,7 @@ class RoundResult:
         n_accepted: how many of ``block`` were accepted.
         token: the correction/bonus token emitted after the accepted prefix.
         committed: the tokens committed this round (``block[:n_accepted] + (token,)``,
-            cut short by a stop token or ``max_tokens``).
+            capped so ``max_tokens`` is never passed; a stop token inside it ends the stream there).
         verify: the verifier's result for this round.
         start_position: absolute position of ``block[0]`` (and of the first committed token).
     """
@@ -199,6 +199,9 @@ class Governor(Protocol):
     def stats(self) -> dict:
         """A JSON-able summary of the governor's state, copied into the request's stats."""
 
+    def observe_round(self, result: RoundResult) -> None:
+        """Optional: see every round's outcome (also plain steps, ``result.drafter is None``)."""
+
 
 class BaseDrafter:
     """Convenience base class: no-op ``begin``/``observe``/``end``."""
@@ -239,6 +242,9 @@ class BaseGovernor:
 
     def observe(self, drafter: str, proposed: int, accepted: int) -> None:
         """Ignore outcomes."""
+
+    def observe_round(self, result: RoundResult) -> None:
+        """Ignore rounds."""
 
     def stats(self) -> dict:
         """No state."""

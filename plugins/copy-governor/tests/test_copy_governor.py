@@ -266,3 +266,23 @@ def test_workload_shape_copy_then_prose():
     assert budgets[:3] == [16, 16, 16]
     assert budgets[3:11] == [0] * 8
     assert budgets[11] == 4  # back on probation
+
+
+def test_tokens_spent_suspended_are_counted_from_rounds():
+    from specdec import RoundResult
+
+    g = create_copy_governor(suspend_after=1, suspend_rounds=2)
+    g.budget("d", 8)
+    g.observe("d", 4, 0)  # poor round: suspended for 2 rounds
+    assert g.budget("d", 8) == 0
+    g.observe_round(RoundResult(drafter=None, block=(), n_accepted=0, token=1, committed=(1,)))
+    assert g.budget("d", 8) == 0
+    g.observe_round(RoundResult(drafter=None, block=(), n_accepted=0, token=2, committed=(2,)))
+    assert g.budget("d", 8) > 0
+    g.observe_round(
+        RoundResult(drafter="d", block=(5, 6), n_accepted=2, token=3, committed=(5, 6, 3))
+    )
+    st = g.stats()
+    assert st["suspended_rounds"] == 2
+    assert st["suspended_tokens"] == 2
+    assert st["drafters"]["d"]["suspended_tokens"] == 2

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import specdec
-from specdec import BaseGovernor, RequestContext
+from specdec import BaseGovernor, RequestContext, RoundResult
 
 NAME = "copy_governor"
 
@@ -58,6 +58,8 @@ class DrafterState:
         "suspended_left",
         "suspensions",
         "suspended_rounds",
+        "suspended_tokens",
+        "skipped_this_round",
         "backoff",
         "last_cap",
     )
@@ -72,6 +74,8 @@ class DrafterState:
         self.suspended_left = 0
         self.suspensions = 0
         self.suspended_rounds = 0
+        self.suspended_tokens = 0
+        self.skipped_this_round = False
         self.backoff = backoff
         self.last_cap: int | None = None
 
@@ -164,6 +168,7 @@ class CopyGovernor(BaseGovernor):
         if s.suspended_left > 0:
             s.suspended_left -= 1
             s.suspended_rounds += 1
+            s.skipped_this_round = True
             return 0
         cap = self.cap(drafter)
         s.last_cap = cap
@@ -191,12 +196,20 @@ class CopyGovernor(BaseGovernor):
         else:
             s.poor_streak = 0  # "several poor rounds" means in a row
 
+    def observe_round(self, result: RoundResult) -> None:
+        """Count the tokens committed in a round a drafter sat out suspended."""
+        for s in self._states.values():
+            if s.skipped_this_round:
+                s.suspended_tokens += len(result.committed)
+                s.skipped_this_round = False
+
     def stats(self) -> dict:
-        """Totals and per-drafter state: EMA, cap, probation, suspensions, rounds suspended."""
+        """Totals and per-drafter state: EMA, cap, probation, suspensions, rounds and tokens suspended."""
         drafters = {name: self._state_dict(name, s) for name, s in self._states.items()}
         return {
             "suspensions": sum(s.suspensions for s in self._states.values()),
             "suspended_rounds": sum(s.suspended_rounds for s in self._states.values()),
+            "suspended_tokens": sum(s.suspended_tokens for s in self._states.values()),
             "drafters": drafters,
         }
 
@@ -246,6 +259,7 @@ class CopyGovernor(BaseGovernor):
             "suspended_left": s.suspended_left,
             "suspensions": s.suspensions,
             "suspended_rounds": s.suspended_rounds,
+            "suspended_tokens": s.suspended_tokens,
             "next_backoff": s.backoff,
             "good_rounds": s.good_rounds,
             "poor_streak": s.poor_streak,
