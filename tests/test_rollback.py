@@ -222,3 +222,34 @@ def test_cache_list_delegates(models):
         c.update_and_fetch(mx.ones((1, 2, 4, 16)), mx.ones((1, 2, 4, 16)))
     txn.commit(4, 1)
     assert [c.offset for c in inner] == [4, 4]
+
+
+def test_bound_rollbacks_see_the_model_that_owns_the_caches(models, copy_prompts):
+    """A rollback with ``bind(plan)`` reads ``plan.model`` before any ``supports`` call."""
+    m = models["llama"]
+    seen = []
+
+    class _ModelAware:
+        name = "model_aware"
+
+        def bind(self, plan):
+            seen.append((plan.model, len(plan.caches)))
+
+        def supports(self, cache):
+            return False
+
+        def begin(self, cache):  # pragma: no cover - never chosen
+            raise AssertionError
+
+    class _Plugin:
+        @specdec.hookimpl
+        def specdec_register_cache_rollbacks(self, register):
+            register("model_aware", _ModelAware)
+
+    with plugin_host(_Plugin()):
+        out = specdec.assemble(m, policy=oracle_policy(m)).generate(
+            copy_prompts["llama"], max_tokens=4
+        )
+    assert seen and seen[0][0] is m and seen[0][1] == len(C.make_prompt_cache(m))
+    assert "model_aware" not in out.stats.rollbacks
+    assert RollbackPlan([], [KVTrimRollback()]).model is None

@@ -337,7 +337,7 @@ class Pipeline:
                 for r, i in zip(rollbacks, self._rollback_infos)
                 if i.name == self._forced_rollback_name
             )
-        plan = RollbackPlan(caches, rollbacks, forced)
+        plan = RollbackPlan(caches, rollbacks, forced, model=self.model)
         stats.rollbacks = plan.names()
         drafters = list(self.drafters)
         if not drafters:

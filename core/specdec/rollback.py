@@ -177,15 +177,22 @@ class CacheListRollback:
 class RollbackPlan:
     """Which rollback handles each layer of a cache list, for one request.
 
+    Rollbacks with an optional ``bind(plan)`` method get the plan before any
+    ``supports`` call; through it they can read ``plan.caches`` and
+    ``plan.model`` (a rollback that must know which layer owns a cache, such
+    as a gated-delta-net one, needs the model).
+
     Args:
         caches: the model's per-layer caches.
         rollbacks: rollback instances in order of preference.
         forced: a rollback tried first for every layer (the policy's ``rollback``
             when it is not ``auto``).
+        model: the model that owns ``caches``, when known (``None`` otherwise).
     """
 
-    def __init__(self, caches: list, rollbacks: list, forced: Any = None):
+    def __init__(self, caches: list, rollbacks: list, forced: Any = None, *, model: Any = None):
         self.caches = caches
+        self.model = model
         self.rollbacks = ([forced] if forced is not None else []) + [
             r for r in rollbacks if r is not forced
         ]
