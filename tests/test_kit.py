@@ -89,3 +89,18 @@ def test_greedy_identity_check_with_stop_as_first_token(models, copy_prompts):
         require_drafts=False,
     )
     assert r["runs"] == 2
+
+
+def test_cache_view_compares_arrays_cache_entries():
+    """``ArraysCache.state`` is ``(list of arrays, left_padding, lengths)``: every array is compared."""
+    from mlx_lm.models.cache import ArraysCache
+    from specdec.testing import cache_view
+    from specdec.testing.checks import _compare_views
+
+    a, b = ArraysCache(2), ArraysCache(2)
+    a[0], a[1] = mx.zeros((1, 3, 4)), mx.ones((1, 2, 2, 2))
+    b[0], b[1] = mx.zeros((1, 3, 4)), mx.ones((1, 2, 2, 2))
+    assert _compare_views(cache_view(a), cache_view(b), 1e-6, "same") == 0.0
+    b[1] = b[1] + 1e-3
+    with pytest.raises(AssertionError, match="max abs difference"):
+        _compare_views(cache_view(a), cache_view(b), 1e-6, "different")

@@ -181,8 +181,17 @@ def cache_view(cache: Any) -> Any:
         state = [state]
     out = [getattr(cache, "offset", None)]
     for s in state:
-        out.append(None if s is None else (np.array(s) if isinstance(s, mx.array) else s))
+        out.append(_numpy_tree(s))
     return tuple(out)
+
+
+def _numpy_tree(s: Any) -> Any:
+    """``s`` with every ``mx.array`` as numpy, also inside lists (``ArraysCache.state``)."""
+    if isinstance(s, mx.array):
+        return np.array(s)
+    if isinstance(s, (list, tuple)):
+        return tuple(_numpy_tree(x) for x in s)
+    return s
 
 
 def _compare_views(a: Any, b: Any, atol: float, where: str) -> float:
