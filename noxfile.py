@@ -98,8 +98,8 @@ def _local_distributions() -> dict[str, Path]:
     return out
 
 
-def _local_requirements(folder: Path, extras: tuple[str, ...] = ("test",)) -> list[Path]:
-    """Folders of this repository's distributions that ``folder`` requires (with ``extras``)."""
+def _direct_local_requirements(folder: Path, extras: tuple[str, ...]) -> list[Path]:
+    """Folders of this repository's distributions that ``folder`` names (with ``extras``)."""
     project = _pyproject(folder).get("project", {})
     reqs = list(project.get("dependencies", []))
     for extra in extras:
@@ -109,8 +109,22 @@ def _local_requirements(folder: Path, extras: tuple[str, ...] = ("test",)) -> li
     for req in reqs:
         m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
         target = local.get(_norm(m.group(1))) if m else None
-        if target is not None and target not in (ROOT, folder) and target not in found:
+        if target is not None and target not in found:
             found.append(target)
+    return found
+
+
+def _local_requirements(folder: Path, extras: tuple[str, ...] = ("test",)) -> list[Path]:
+    """Folders of this repository's distributions that ``folder`` requires (with ``extras``),
+    and what those require in turn (their dependencies, not their extras)."""
+    found: list[Path] = []
+    queue = _direct_local_requirements(folder, extras)
+    while queue:
+        target = queue.pop(0)
+        if target in (ROOT, folder) or target in found:
+            continue
+        found.append(target)
+        queue += _direct_local_requirements(target, ())
     return found
 
 
