@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import SEED_PROMPT, oracle_policy
+from core_support import SEED_PROMPT, oracle_policy
 from specdec.testing import ARCHITECTURES, check_fewer_forwards, check_greedy_identity, plain_greedy
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 import specdec
-from conftest import oracle_policy
+from core_support import oracle_policy
 from specdec.testing import ToyTokenizer, check_greedy_identity
 
 

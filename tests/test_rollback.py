@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 import specdec
-from conftest import oracle_policy
+from core_support import oracle_policy
 from mlx_lm.models import cache as C
 from specdec.rollback import KVTrimRollback, RollbackPlan, RotatingWindowRollback
 from specdec.testing import ARCHITECTURES, cache_view, check_caches_match_plain, plugin_host

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import specdec
-from conftest import oracle_policy
+from core_support import oracle_policy
 from specdec.acceptors import GreedyAcceptor, PointMassAcceptor, RejectionAcceptor
 from specdec.sampling import Sampler, position_key
 from specdec.testing import (

@@ -23,7 +23,7 @@ from .errors import ModelLoadError, PolicyError, RequestError
 from .plugins import PluginHost, get_plugin_host
 from .policy import AUTO, Policy, load_policy
 from .roles import RequestContext, RoundResult
-from .rollback import RollbackPlan
+from .rollback import RollbackPlan, build_plan
 from .sampling import Sampler, validate_request
 from .stats import Stats
 
@@ -158,14 +158,8 @@ class Pipeline:
         else:
             for n in ("greedy", "point_mass", "rejection"):
                 self._acceptors[n] = h.create("acceptor", n)
-        # Third-party rollbacks first so a plugin may claim a cache type a built-in also handles.
-        infos = sorted(
-            h.components["cache_rollback"].values(), key=lambda c: c.distribution == "specdec-core"
-        )
-        self._rollback_infos = infos
-        self._forced_rollback_name = None if policy.rollback == AUTO else policy.rollback
-        if self._forced_rollback_name is not None:
-            h.get("cache_rollback", self._forced_rollback_name)
+        if policy.rollback != AUTO:
+            h.get("cache_rollback", policy.rollback)
 
     # -- prompts -------------------------------------------------------------------
 
@@ -326,18 +320,7 @@ class Pipeline:
         self, row: _Row, prefill_step_size: int, on_round: Callable | None
     ) -> Iterator[StreamResponse]:
         policy, stats, caches = self.policy, row.stats, row.caches
-        rollbacks = [
-            self.host.create("cache_rollback", i.name, policy.options_for(i.name))
-            for i in self._rollback_infos
-        ]
-        forced = None
-        if self._forced_rollback_name is not None:
-            forced = next(
-                r
-                for r, i in zip(rollbacks, self._rollback_infos)
-                if i.name == self._forced_rollback_name
-            )
-        plan = RollbackPlan(caches, rollbacks, forced, model=self.model)
+        plan = build_plan(self.host, caches, model=self.model, policy=policy)
         stats.rollbacks = plan.names()
         drafters = list(self.drafters)
         if not drafters:
@@ -367,6 +350,7 @@ class Pipeline:
             max_tokens=row.max_tokens,
             sampler=row.sampler,
             caches=caches,
+            host=self.host,
         )
         begun: list = []
         try:

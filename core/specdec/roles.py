@@ -101,6 +101,7 @@ class RequestContext:
         caches: the target's per-layer cache list.
         options: the policy options for this component.
         row: index of this request's row in a batch (always 0 for now).
+        host: the plugin host the pipeline resolved its components from.
     """
 
     model: Any
@@ -111,6 +112,7 @@ class RequestContext:
     caches: list
     options: dict = attrs.field(factory=dict)
     row: int = 0
+    host: Any = None
 
 
 @runtime_checkable

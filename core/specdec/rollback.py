@@ -267,3 +267,23 @@ class _NoRollback:
 
     def abort(self) -> None:
         """Nothing can be restored; the request is failing anyway."""
+
+
+def build_plan(host: Any, caches: list, *, model: Any = None, policy: Any = None) -> RollbackPlan:
+    """A :class:`RollbackPlan` over ``caches`` from every rollback registered with ``host``.
+
+    Third-party rollbacks come first, so a plugin may claim a cache type a
+    built-in also handles; the policy's ``rollback`` (when not ``auto``) is
+    tried first for every layer, and each rollback gets its policy options.
+    """
+    infos = sorted(
+        host.components["cache_rollback"].values(), key=lambda c: c.distribution == "specdec-core"
+    )
+    rollbacks = [
+        host.create("cache_rollback", i.name, policy.options_for(i.name) if policy else {})
+        for i in infos
+    ]
+    forced = None
+    if policy is not None and policy.rollback != "auto":
+        forced = next(r for r, i in zip(rollbacks, infos) if i.name == policy.rollback)
+    return RollbackPlan(caches, rollbacks, forced, model=model)

@@ -87,12 +87,13 @@ class DraftModelDrafter(BaseDrafter):
                 )
 
     def begin(self, ctx: RequestContext) -> None:
-        """Fresh draft cache and rollback plan."""
-        from ..rollback import KVTrimRollback, RollbackPlan, RotatingWindowRollback
+        """Fresh draft cache and a rollback plan from every registered rollback (plugins too)."""
+        from ..plugins import get_plugin_host
+        from ..rollback import build_plan
 
         self._sampler = ctx.sampler
         self._cache = make_prompt_cache(self.model)
-        self._plan = RollbackPlan(self._cache, [KVTrimRollback(), RotatingWindowRollback()])
+        self._plan = build_plan(ctx.host or get_plugin_host(), self._cache, model=self.model)
         if not self._plan.ok:
             raise ModelLoadError(f"draft model cache cannot be rolled back: {self._plan.reason}")
         self._fed = 0  # history tokens whose K/V are in the draft cache

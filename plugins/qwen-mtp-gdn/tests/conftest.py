@@ -2,46 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-import random
-
 import pytest
-import specdec
-from specdec_qwen_mtp_gdn.tiny import make_tiny_draft, make_tiny_hybrid
-
-#: The two architectures the pipeline tests run on (qwen3_5_moe shares qwen3_5's GDN layer).
-ARCHS = ("qwen3_next", "qwen3_5")
-NGRAM = specdec.Policy(name="ngram", drafters=("ngram_copy",))
-
-
-def copy_model(arch):
-    """A tiny hybrid that falls into loops of its own (mixing 0.2): copy drafts get accepted."""
-    return make_tiny_hybrid(arch, mixing=0.2, seed=0)
-
-
-def draft_for(arch):
-    """The all-attention twin of :func:`copy_model` (shares its embeddings, MLPs and head)."""
-    return make_tiny_draft(copy_model(arch))
-
-
-@functools.cache
-def copy_prompt(arch, min_accepted=6):
-    """A prompt (seed, the model's continuation, the seed again) on which ``ngram_copy``
-    gets ``min_accepted`` drafts accepted in 32 greedy tokens, from a deterministic search."""
-    model = copy_model(arch)
-    plain = specdec.assemble(model, policy="none")
-    spec = specdec.assemble(model, policy=NGRAM)
-    tried = []
-    for s in range(16):
-        rng = random.Random(s)
-        seed = [rng.randrange(64) for _ in range(10)]
-        cont = plain.generate(seed, max_tokens=48).tokens
-        prompt = seed + cont[:40] + seed
-        out = spec.generate(prompt, max_tokens=32)
-        if min_accepted <= out.stats.accepted < out.stats.drafted:
-            return tuple(prompt)
-        tried.append((out.stats.drafted, out.stats.accepted))
-    raise AssertionError(f"no copy-heavy prompt for tiny {arch}: (drafted, accepted) {tried}")
+from gdn_support import ARCHS
 
 
 @pytest.fixture(params=ARCHS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import specdec
-from conftest import NGRAM, copy_model, copy_prompt, draft_for
+from gdn_support import NGRAM, copy_model, copy_prompt, draft_for
 from mlx_lm.models import cache as C
 from specdec.testing import (
     ToyTokenizer,
@@ -176,3 +176,16 @@ def test_plain_requests_are_untouched_by_the_plugin(arch):
     out = specdec.assemble(model, policy="none").generate(prompt, max_tokens=8, on_round=rec)
     assert out.stats.rollbacks == ["gdn_transaction:capture", "kv_trim"]
     assert seen and not any(seen)
+
+
+def test_hybrid_draft_model_rolls_back_its_own_gdn_state(arch):
+    """The draft_model drafter's own cache is hybrid too: the plugin's rollback serves it."""
+    model = copy_model(arch)
+    pol = specdec.Policy(
+        name="hybrid-draft",
+        drafters=("draft_model",),
+        options={"draft_model": {"model": model, "num_draft_tokens": 4}},
+    )
+    totals = check_greedy_identity(model, pol, copy_prompt(arch), max_tokens_list=[1, 7, 16])
+    # the target as its own draft: every draft token is accepted
+    assert totals["drafted"] > 0 and totals["accepted"] == totals["drafted"]

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 import specdec
-from conftest import NGRAM, copy_model, copy_prompt
+from gdn_support import NGRAM, copy_model, copy_prompt
 from specdec_qwen_mtp_gdn import STRATEGIES, GatedDeltaRollback, default_strategy
 
 
