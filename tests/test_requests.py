@@ -230,3 +230,16 @@ def test_stats_fields(models, copy_prompts):
         .generate([1, 2], max_tokens=2)
         .stats.speculation_off_reason
     )
+
+
+def test_stats_time_verify_and_commit_in_speculative_rounds(models, copy_prompts):
+    m = models["gemma3"]
+    out = specdec.assemble(m, policy=oracle_policy(m, "partial")).generate(
+        copy_prompts["gemma3"], max_tokens=16
+    )
+    st = out.stats
+    assert st.verify_time_s > 0 and st.commit_time_s > 0
+    assert st.rollback_fraction == st.commit_time_s / st.verify_time_s
+    assert "rollback_fraction" in st.to_dict()
+    plain = specdec.assemble(m, policy="none").generate(copy_prompts["gemma3"], max_tokens=4).stats
+    assert plain.verify_time_s == plain.commit_time_s == plain.rollback_fraction == 0

@@ -410,21 +410,26 @@ class Pipeline:
                         "'point_mass' or 'rejection' for sampling"
                     )
             acceptor = self._acceptors[acc_name]
+            t_verify = time.perf_counter()
             txn = plan.begin()
             try:
                 vr = self.verifier.verify(self.model, mx.array(inputs), caches)
                 logits = self._process(vr.logits, row.history, block, row.processors)
-                acc = acceptor.accept(block, q, logits, sampler, positions)
+                acc = acceptor.accept(block, q, logits, sampler, positions)  # reads logits back
                 n_acc = int(acc.n_accepted)
                 if not 0 <= n_acc <= len(block):
                     raise RuntimeError(
                         f"acceptor {acc_name!r} accepted {n_acc} of a {len(block)}-token block"
                     )
+                t_commit = time.perf_counter()
                 txn.commit(len(inputs), n_acc + 1)
                 mx.eval([c.state for c in caches])
             except BaseException:
                 txn.abort()
                 raise
+            t_done = time.perf_counter()
+            stats.verify_time_s += t_commit - t_verify
+            stats.commit_time_s += t_done - t_commit
             stats.target_forwards += 1
             stats.acceptors[acc_name] = stats.acceptors.get(acc_name, 0) + 1
             if chosen is not None:

@@ -18,6 +18,9 @@ class Stats:
         accepted: draft tokens accepted.
         rounds_with_draft: rounds that verified a non-empty block.
         prompt_time_s / decode_time_s: wall time of prefill / of decoding.
+        verify_time_s / commit_time_s: in speculative rounds, time from the verify
+            forward to the acceptance decision, and time to commit the caches
+            (rollback) and settle them; plain pipelined decoding leaves both 0.
         peak_memory_gb: MLX peak memory during the request.
         per_drafter: ``{name: {"rounds", "drafted", "accepted", ...drafter stats}}``.
         speculation_off_reason: why speculation did not run, or ``None``.
@@ -37,6 +40,8 @@ class Stats:
     rounds_with_draft: int = 0
     prompt_time_s: float = 0.0
     decode_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    commit_time_s: float = 0.0
     peak_memory_gb: float = 0.0
     per_drafter: dict = attrs.field(factory=dict)
     speculation_off_reason: str | None = None
@@ -57,6 +62,11 @@ class Stats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def rollback_fraction(self) -> float:
+        """Commit (rollback) time as a fraction of verify time, over speculative rounds."""
+        return self.commit_time_s / self.verify_time_s if self.verify_time_s > 0 else 0.0
+
+    @property
     def prompt_tps(self) -> float:
         """Prompt tokens per second of prefill."""
         return self.prompt_tokens / self.prompt_time_s if self.prompt_time_s > 0 else 0.0
@@ -72,6 +82,7 @@ class Stats:
         d.update(
             tokens_per_forward=self.tokens_per_forward,
             acceptance_rate=self.acceptance_rate,
+            rollback_fraction=self.rollback_fraction,
             prompt_tps=self.prompt_tps,
             decode_tps=self.decode_tps,
         )
