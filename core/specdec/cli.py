@@ -517,10 +517,28 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 # -- the parser ----------------------------------------------------------------
 
-#: Subcommands, in --help order. ``bench`` (issue 3) goes here: write
-#: ``_add_bench(sub)`` that adds its parser with ``set_defaults(func=cmd_bench)``
-#: and append it to this tuple.
-SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_generate, _add_plugins, _add_doctor)
+# -- bench (specdec.bench) ------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.command import cmd_bench as run
+
+    return run(args)
+
+
+def _add_bench(sub: Any) -> None:
+    from .bench.command import add_bench_parser
+
+    add_bench_parser(sub, func=cmd_bench)
+
+
+#: Subcommands, in --help order.
+SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
+    _add_generate,
+    _add_bench,
+    _add_plugins,
+    _add_doctor,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

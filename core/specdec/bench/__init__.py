@@ -1,0 +1,32 @@
+"""``specdec bench``: speculative decoding against plain decoding on shipped workloads.
+
+Library use::
+
+    from mlx_lm import load
+    from specdec.bench import get_workloads, run_bench
+
+    model, tokenizer = load("path/to/model")
+    results = run_bench(model, tokenizer, get_workloads(["code-edit"]), policy="copy")
+    [r.record() for r in results]   # the --json records
+"""
+
+from __future__ import annotations
+
+from .progress import Progress
+from .runner import BASELINES, RECORD_FIELDS, RunSample, WorkloadResult, run_bench, total_steps
+from .workloads import Workload, faithfulness, get_workloads, load_workloads, workload_names
+
+__all__ = [
+    "BASELINES",
+    "RECORD_FIELDS",
+    "Progress",
+    "RunSample",
+    "Workload",
+    "WorkloadResult",
+    "faithfulness",
+    "get_workloads",
+    "load_workloads",
+    "run_bench",
+    "total_steps",
+    "workload_names",
+]

@@ -1,0 +1,258 @@
+"""``specdec bench``: the command line over :func:`specdec.bench.run_bench`.
+
+Every bad argument is reported before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, TextIO
+
+from ..cli import (
+    EXIT_OK,
+    CliError,
+    _check_model_spec,
+    _check_policy_components,
+    _default_model,
+    _print_json,
+)
+from .plot import MATPLOTLIB_MISSING, matplotlib_available, plot_results
+from .progress import Progress
+from .runner import BASELINES, run_bench, total_steps
+from .workloads import get_workloads, workload_names
+
+DEFAULT_RUNS = 3
+DEFAULT_MAX_TOKENS = 300
+DEFAULT_SEED = 0
+DEFAULT_POLICY = "copy"
+
+
+def add_bench_parser(sub: Any, func: Any) -> None:
+    """Add the ``bench`` subcommand to ``sub`` (an argparse subparsers object)."""
+    names = ", ".join(workload_names())
+    p = sub.add_parser(
+        "bench",
+        help="benchmark a speculative policy against plain decoding",
+        description=(
+            "Run the shipped workloads with the 'none' policy (off) and a speculative "
+            "policy (on), interleaved, and report median decode tok/s (prompt processing "
+            "excluded), the on/off ratio, tokens per target forward, acceptance, whether "
+            "every run was token-identical to plain decoding, peak memory, and how "
+            f"faithful the output is to the expected answer. Workloads: {names}."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local model folder or Hugging Face id (default: the built-in default model)",
+    )
+    p.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help=f"the policy measured against 'none': a preset or a .toml file (default: {DEFAULT_POLICY})",
+    )
+    p.add_argument(
+        "--workload",
+        "-w",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help=f"a workload to run, repeatable (default: all of {names})",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=DEFAULT_RUNS,
+        help=f"measured runs of each contender per workload (default: {DEFAULT_RUNS})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        "-m",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"tokens generated per run (default: {DEFAULT_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--temp",
+        type=float,
+        action="append",
+        default=None,
+        help="sampling temperature, repeatable for one record set per temperature (default: 0)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help=f"the sampling seed of every run (default: {DEFAULT_SEED})",
+    )
+    p.add_argument(
+        "--baseline",
+        choices=BASELINES,
+        default=None,
+        help="also time mlx-lm's own stream_generate and compare the 'none' policy with it",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the records as a JSON list on stdout (the table goes to stderr)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw off/on tok/s and tokens per forward per workload (needs matplotlib)",
+    )
+    p.add_argument(
+        "--details",
+        default=None,
+        metavar="FILE.json",
+        help="write everything measured (every run, outputs, faithfulness, baseline) to a JSON file",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=func)
+
+
+def _check_output_path(path: str, flag: str) -> str:
+    path = os.path.expanduser(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CliError(f"{flag} {path!r} is a folder; give a file name")
+    if not os.path.isdir(parent):
+        raise CliError(f"{flag} {path!r}: folder {parent!r} does not exist")
+    return path
+
+
+def _fmt_ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def format_table(results: list, *, baseline: str | None = None) -> str:
+    """The results as a Markdown table (and a baseline table when there is one)."""
+    head = (
+        "| workload | temp | off tok/s | on tok/s | ratio | tokens/forward | acceptance "
+        "| identical | peak off GB | peak on GB | faithful |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for res in results:
+        r = res.record()
+        faith = "n/a" if res.faithfulness is None else f"{100 * res.faithfulness:.0f}%"
+        lines.append(
+            f"| {r['workload']} | {r['temp']:g} | {r['off_tps']:.1f} | {r['on_tps']:.1f} "
+            f"| {r['ratio']:.2f}x | {r['tokens_per_forward']:.2f} "
+            f"| {100 * r['acceptance_rate']:.0f}% | {'yes' if r['identical'] else 'NO'} "
+            f"| {r['off_peak_gb']:.3f} | {r['on_peak_gb']:.3f} | {faith} |"
+        )
+    if baseline:
+        lines += [
+            "",
+            f"| workload | temp | none tok/s | {baseline} tok/s | none / {baseline} | same tokens |",
+            "|---|---|---|---|---|---|",
+        ]
+        for res in results:
+            d = res.details()
+            same = d["baseline_identical"]
+            lines.append(
+                f"| {res.workload} | {res.temp:g} | {d['off_step_tps']:.1f} "
+                f"| {d['baseline_tps']:.1f} | {_fmt_ratio(d['none_vs_baseline'])} "
+                f"| {'n/a (sampled)' if same is None else ('yes' if same else 'no')} |"
+            )
+    return "\n".join(lines)
+
+
+def _emit(text: str, out: TextIO) -> None:
+    out.write(text + "\n")
+    out.flush()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import specdec
+
+    # 1. everything that can be checked without a model
+    if args.runs < 1:
+        raise CliError(f"--runs must be >= 1, got {args.runs}")
+    if args.max_tokens < 1:
+        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    temps = args.temp if args.temp else [0.0]
+    for t in temps:
+        if not t >= 0:  # also NaN
+            raise CliError(f"--temp must be >= 0, got {t}")
+    temps = list(dict.fromkeys(float(t) for t in temps))
+    workloads = get_workloads(args.workload)
+    policy = specdec.load_policy(args.policy)
+    _check_policy_components(policy)
+    if args.plot is not None:
+        args.plot = _check_output_path(args.plot, "--plot")
+        if not matplotlib_available():
+            raise CliError(MATPLOTLIB_MISSING)
+    if args.details is not None:
+        args.details = _check_output_path(args.details, "--details")
+    model_spec = _check_model_spec(args.model, "--model") if args.model else None
+    if model_spec is None:
+        model_spec = _default_model()
+
+    # 2. the model, once
+    from ..loading import load_model
+
+    try:
+        model, tokenizer = load_model(model_spec)
+    except specdec.SpecdecError:
+        raise
+    except (OSError, ValueError) as exc:  # pragma: no cover - load_model wraps these
+        raise CliError(f"cannot load model {model_spec!r}: {exc}") from exc
+
+    progress = Progress(
+        total_steps(len(workloads), len(temps), args.runs, args.baseline is not None),
+        sys.stderr,
+        enabled=not args.no_progress,
+    )
+    print(
+        f"specdec bench: model {model_spec}, policy {policy.name} vs none, "
+        f"{args.runs} run(s) each, {args.max_tokens} tokens, temp {', '.join(f'{t:g}' for t in temps)}, "
+        f"seed {args.seed}" + (f", baseline {args.baseline}" if args.baseline else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        results = run_bench(
+            model,
+            tokenizer,
+            workloads,
+            policy=policy,
+            runs=args.runs,
+            temps=temps,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            baseline=args.baseline,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+
+    table = format_table(results, baseline=args.baseline)
+    if args.json:
+        _print_json([r.record() for r in results])
+        _emit(table, sys.stderr)
+    else:
+        _emit(table, sys.stdout)
+    if args.details is not None:
+        doc = {
+            "model": str(model_spec),
+            "policy": policy.name,
+            "runs": args.runs,
+            "max_tokens": args.max_tokens,
+            "seed": args.seed,
+            "baseline": args.baseline,
+            "results": [r.details(with_output=True) for r in results],
+        }
+        with open(args.details, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.write("\n")
+    if args.plot is not None:
+        plot_results(
+            results, args.plot, title=f"specdec bench: {os.path.basename(str(model_spec))}"
+        )
+        print(f"specdec bench: plot written to {args.plot}", file=sys.stderr, flush=True)
+    return EXIT_OK

@@ -1,0 +1,435 @@
+"""``specdec bench`` and :mod:`specdec.bench` on a tiny random model (nothing is timed).
+
+The model folder holds a 2-layer llama with random weights and a byte-level
+BPE tokenizer, so the shipped workloads' real text encodes as it is. The CLI runs in-process through ``specdec.cli.main``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import specdec
+from specdec.bench import (
+    RECORD_FIELDS,
+    Progress,
+    faithfulness,
+    get_workloads,
+    load_workloads,
+    run_bench,
+    total_steps,
+    workload_names,
+)
+from specdec.bench import command as bench_command
+from specdec.cli import main
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+EOS = "<|endoftext|>"
+FAST = ("--runs", "1", "--max-tokens", "6")
+
+
+def write_byte_model(path: Path, *, seed: int = 0) -> Path:
+    """A 2-layer llama with random weights and a byte-level BPE tokenizer.
+
+    The tokenizer's merges are learned from the workloads' texts (so prompts stay
+    short and tests fast); any text encodes, byte by byte where no merge applies.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import llama
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = [w.request + (w.expected or "") for w in load_workloads().values()]
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    config = dict(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=tok.get_vocab_size(),
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        max_position_embeddings=16384,
+    )
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.random.seed(seed)
+    model.update(tree_map(lambda p: 0.5 * mx.random.normal(p.shape), model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory) -> Path:
+    return write_byte_model(tmp_path_factory.mktemp("models") / "byte-llama")
+
+
+@pytest.fixture(scope="module")
+def loaded(byte_model):
+    from mlx_lm import load
+
+    return load(str(byte_model))
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fail the test if the bench loads a model before validating its input."""
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the input was validated")
+
+    import specdec.loading
+
+    monkeypatch.setattr(specdec.loading, "load_model", boom)
+    monkeypatch.setattr(specdec, "assemble", boom)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_usage_error(rc: int, out: str, err: str, needle: str) -> None:
+    assert rc == 2, (rc, out, err)
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines and lines[0].startswith("specdec: error: "), err
+    assert needle in err, err
+    assert out == "", out
+
+
+# -- workloads -------------------------------------------------------------------
+
+
+def test_shipped_workloads():
+    ws = load_workloads()
+    assert list(ws) == ["code-edit", "extraction", "prose"]
+    assert workload_names() == list(ws)
+    for w in ws.values():
+        assert w.description and w.license and w.template
+    code = ws["code-edit"]
+    assert 150 <= len(code.source.splitlines()) <= 200
+    # one identifier renamed everywhere: the expected answer is exactly that edit
+    assert re.search(r"\bfilename\b", code.source) and "file_path" not in code.source
+    assert code.expected == re.sub(r"\bfilename\b", "file_path", code.source)
+    assert "{source}" in code.template and code.source in code.request
+    assert code.expected.startswith(code.answer_prefix.split("\n", 1)[1])
+    ext = ws["extraction"]
+    paragraphs = ext.expected.strip("\n").split("\n\n")
+    assert len(paragraphs) == 4
+    for p in paragraphs:
+        assert p in ext.source  # quoted word for word
+        assert p.split(",")[0].split(" (")[0][:30] in ext.template
+    assert ext.expected.startswith(ext.answer_prefix)
+    prose = ws["prose"]
+    assert prose.source == "" and prose.expected is None and prose.faithfulness("x") is None
+
+
+def test_workload_texts_have_a_notice():
+    notice = resources.files("specdec").joinpath("data", "bench", "NOTICE.md").read_text()
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in notice
+    for name in ("code-edit-source.txt", "extraction-source.txt"):
+        assert name in notice
+
+
+def test_get_workloads_selection_and_unknown():
+    assert [w.name for w in get_workloads(["prose", "code-edit", "prose"])] == [
+        "prose",
+        "code-edit",
+    ]
+    assert len(get_workloads(None)) == 3
+    with pytest.raises(specdec.RequestError, match="code-edit, extraction, prose"):
+        get_workloads(["nope"])
+
+
+# -- faithfulness ----------------------------------------------------------------
+
+EXPECTED = "line one\nline two\nline three\nline four\n"
+
+
+@pytest.mark.parametrize(
+    "output, complete, value",
+    [
+        (EXPECTED, True, 1.0),
+        ("line one\nline two\nline th", False, 1.0),  # cut by max_tokens: fine so far
+        ("```python\nline one\nline two\n```\nchatter", False, 0.5),  # fenced, stopped early
+        ("line one\nline two\n", True, 0.5),  # stopped early by itself
+        ("line one\nline one\nline one\nline one\n", False, 0.25),  # a loop
+        ("something else\n", False, 0.0),
+        ("line", False, 1.0),  # a partial first line that agrees
+        ("lime", False, 0.0),
+        (EXPECTED + "extra\nextra\nextra\nextra\n", True, 0.5),  # text past the answer
+    ],
+)
+def test_faithfulness(output, complete, value):
+    assert faithfulness(output, EXPECTED, complete=complete) == pytest.approx(value)
+
+
+def test_workload_faithfulness_counts_the_answer_prefix():
+    w = load_workloads()["code-edit"]
+    assert w.faithfulness(w.expected[len(w.answer_prefix) - len("```python\n") :]) == 1.0
+
+
+# -- the runner ------------------------------------------------------------------
+
+
+def _ext_workload(text: str) -> specdec.bench.Workload:
+    return specdec.bench.Workload(
+        name="copy",
+        description="copy",
+        template="Copy this: {source}",
+        source=text,
+        expected=text,
+        chat_template=False,
+    )
+
+
+def test_run_bench_interleaves_off_and_on(loaded):
+    model, tok = loaded
+    order = []
+    res = run_bench(
+        model,
+        tok,
+        [_ext_workload("abc def abc def abc def\n")],
+        runs=3,
+        max_tokens=5,
+        on_run=lambda kind, w, temp, i: order.append((kind, i)),
+    )
+    assert order == [("off", -1), ("on", -1)] + [(k, i) for i in range(3) for k in ("off", "on")]
+    (r,) = res
+    assert len(r.off) == len(r.on) == 3
+    assert r.identical is True
+    assert list(r.record()) == list(RECORD_FIELDS)
+
+
+def test_run_bench_with_baseline_and_temperatures(loaded):
+    model, tok = loaded
+    order = []
+    res = run_bench(
+        model,
+        tok,
+        get_workloads(["prose"]),
+        runs=2,
+        temps=(0.0, 1.0),
+        max_tokens=6,
+        baseline="mlx-lm",
+        on_run=lambda kind, w, temp, i: order.append((kind, temp, i)),
+    )
+    kinds = ("off", "mlx-lm", "on")
+    assert order == (
+        [(k, 0.0, -1) for k in kinds]  # warm-up once per workload
+        + [(k, 0.0, i) for i in range(2) for k in kinds]
+        + [(k, 1.0, i) for i in range(2) for k in kinds]
+    )
+    assert [r.temp for r in res] == [0.0, 1.0]
+    for r in res:
+        assert r.identical is True  # sampled runs too: position-keyed sampling, one seed
+        assert len(r.baseline) == 2
+        d = r.details()
+        assert d["none_vs_baseline"] > 0 and d["baseline"] == "mlx-lm"
+    assert res[0].baseline_identical is True  # greedy: mlx-lm emits the same tokens
+    assert res[1].baseline_identical is None
+
+
+def test_run_bench_counts_steps_and_draws_progress(loaded):
+    model, tok = loaded
+    buf = io.StringIO()
+    n = total_steps(2, 1, 2, baseline=False)
+    prog = Progress(n, buf)
+    run_bench(
+        model, tok, get_workloads(["prose", "code-edit"]), runs=2, max_tokens=3, progress=prog
+    )
+    prog.close()
+    assert prog.done == n == 2 * 2 * (2 + 1)
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == n + 1 and lines[-1].startswith(f"specdec bench [{'#' * 24}] {n}/{n}")
+    assert "code-edit temp 0: on run 2/2" in buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(runs=0), "runs"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temps=(-1.0,)), "temperature"),
+        (dict(temps=()), "temperature"),
+        (dict(baseline="vllm"), "baseline"),
+        (dict(policy="nope"), "nope"),
+    ],
+)
+def test_run_bench_bad_arguments(loaded, kwargs, needle):
+    model, tok = loaded
+    with pytest.raises(specdec.SpecdecError, match=needle):
+        run_bench(model, tok, get_workloads(["prose"]), **kwargs)
+
+
+def test_progress_redraws_one_line_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    buf = Tty()
+    p = Progress(4, buf)
+    p.start("a")
+    p.advance()
+    p.start("b")
+    p.close()
+    text = buf.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n") and "\r" in text
+    assert Progress(3, io.StringIO(), enabled=False).stream.getvalue() == ""
+
+
+# -- the command -----------------------------------------------------------------
+
+
+def test_cli_json_records_have_exactly_the_fields(capsys, byte_model):
+    rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), *FAST, "--json")
+    assert rc == 0, err
+    records = json.loads(out)  # stdout is only the JSON list
+    assert [r["workload"] for r in records] == ["code-edit", "extraction", "prose"]
+    for r in records:
+        assert list(r) == list(RECORD_FIELDS)
+        assert r["identical"] is True
+        assert r["temp"] == 0.0 and r["policy"] == "copy"
+        for k in ("off_tps", "on_tps", "ratio", "tokens_per_forward", "off_peak_gb", "on_peak_gb"):
+            assert isinstance(r[k], float) and r[k] > 0, (k, r)
+        assert 0.0 <= r["acceptance_rate"] <= 1.0
+    # the progress bar and the table (with faithfulness) go to stderr
+    assert "specdec bench [" in err and "done" in err
+    assert "| workload | temp | off tok/s |" in err and "faithful" in err
+
+
+def test_cli_table_on_stdout_without_json(capsys, byte_model):
+    rc, out, err = run_cli(
+        capsys, "bench", "--model", str(byte_model), *FAST, "-w", "prose", "--no-progress"
+    )
+    assert rc == 0, err
+    assert out.startswith("| workload | temp | off tok/s | on tok/s | ratio |")
+    assert "| prose | 0 |" in out and "code-edit" not in out
+    assert "specdec bench [" not in err  # --no-progress
+
+
+def test_cli_sampled_runs_are_identical(capsys, byte_model):
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--model",
+        str(byte_model),
+        *FAST,
+        "-w",
+        "code-edit",
+        "--temp",
+        "0",
+        "--temp",
+        "1",
+        "--json",
+    )
+    assert rc == 0, err
+    records = json.loads(out)
+    assert [(r["workload"], r["temp"]) for r in records] == [("code-edit", 0.0), ("code-edit", 1.0)]
+    assert all(r["identical"] for r in records)
+
+
+def test_cli_baseline_details_and_plot(capsys, byte_model, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot, details = tmp_path / "bench.png", tmp_path / "bench.json"
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--model",
+        str(byte_model),
+        *FAST,
+        "-w",
+        "extraction",
+        "--baseline",
+        "mlx-lm",
+        "--plot",
+        str(plot),
+        "--details",
+        str(details),
+    )
+    assert rc == 0, err
+    assert "| none / mlx-lm |" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    d = json.loads(details.read_text())
+    (r,) = d["results"]
+    assert r["baseline"] == "mlx-lm" and r["none_vs_baseline"] > 0
+    assert 0.0 <= r["faithfulness"] <= 1.0
+    assert len(r["runs"]["off"]) == len(r["runs"]["on"]) == len(r["runs"]["baseline"]) == 1
+    assert "text" in r["runs"]["off"][0] and "tokens" in r["runs"]["on"][0]
+
+
+def test_cli_plot_needs_matplotlib(capsys, no_model_loading, byte_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_command, "matplotlib_available", lambda: False)
+    rc, out, err = run_cli(
+        capsys, "bench", "--model", str(byte_model), "--plot", str(tmp_path / "p.png")
+    )
+    assert_usage_error(rc, out, err, "pip install matplotlib")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--runs", "0"], "--runs must be >= 1"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--temp", "-1"], "--temp must be >= 0"),
+        (["--temp", "nan"], "--temp must be >= 0"),
+        (["--runs", "x"], "invalid int value"),
+        (["--workload", "nope"], "unknown workload 'nope'"),
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--baseline", "vllm"], "invalid choice"),
+        (["--plot", "/no/such/folder/p.png"], "does not exist"),
+        (["--details", "/no/such/folder/d.json"], "does not exist"),
+    ],
+)
+def test_cli_bad_arguments(capsys, no_model_loading, byte_model, args, needle):
+    rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), *args)
+    assert_usage_error(rc, out, err, needle)
+
+
+def test_cli_missing_model(capsys, no_model_loading, tmp_path):
+    rc, out, err = run_cli(capsys, "bench", "--model", str(tmp_path / "nope"))
+    assert_usage_error(rc, out, err, "no such folder")
+
+
+def test_cli_policy_with_unknown_component(capsys, no_model_loading, byte_model, tmp_path):
+    toml = tmp_path / "p.toml"
+    toml.write_text('drafters = ["no_such_drafter"]\n')
+    rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), "--policy", str(toml))
+    assert_usage_error(rc, out, err, "no_such_drafter")
+
+
+def test_bench_is_listed_in_help(capsys):
+    rc, out, err = run_cli(capsys, "--help")
+    assert rc == 0 and "bench" in out
