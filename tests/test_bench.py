@@ -20,7 +20,9 @@ from specdec.bench import (
     faithfulness,
     get_workloads,
     load_workloads,
+    parse_sweep,
     run_bench,
+    sweep_policies,
     total_steps,
     workload_names,
 )
@@ -294,6 +296,80 @@ def test_run_bench_bad_arguments(loaded, kwargs, needle):
         run_bench(model, tok, get_workloads(["prose"]), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("ngram_copy.max_block=4,8", ("ngram_copy", "max_block", [4, 8])),
+        (
+            "gdn_transaction.strategy=capture, tape",
+            ("gdn_transaction", "strategy", ["capture", "tape"]),
+        ),
+        ("copy_governor.ema=0.5,1", ("copy_governor", "ema", [0.5, 1])),
+        ("x.flag=true,false", ("x", "flag", [True, False])),
+    ],
+)
+def test_parse_sweep(spec, expected):
+    assert parse_sweep(spec) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("ngram_copy=4,8", "COMPONENT.OPTION="),
+        ("ngram_copy.max_block", "COMPONENT.OPTION="),
+        ("a.b.c=1", "COMPONENT.OPTION="),
+        ("ngram_copy.max_block=", "empty value"),
+        ("ngram_copy.max_block=4,,8", "empty value"),
+        ("ngram_copy.max_block=4,4", "given twice"),
+    ],
+)
+def test_parse_sweep_rejects(spec, needle):
+    with pytest.raises(specdec.RequestError, match=needle):
+        parse_sweep(spec)
+
+
+def test_sweep_policies_name_and_set_the_option():
+    pols = sweep_policies("copy", "ngram_copy.max_block=4,8")
+    assert [p.name for p in pols] == [
+        "copy[ngram_copy.max_block=4]",
+        "copy[ngram_copy.max_block=8]",
+    ]
+    assert [p.options_for("ngram_copy")["max_block"] for p in pols] == [4, 8]
+    assert all(p.drafters == ("ngram_copy",) and p.governor == "copy_governor" for p in pols)
+
+
+def test_run_bench_several_policies_share_the_off_runs(loaded):
+    model, tok = loaded
+    order = []
+    pols = sweep_policies("ngram", "ngram_copy.max_block=2,8")
+    res = run_bench(
+        model,
+        tok,
+        [_ext_workload("abc def abc def abc def abc def\n")],
+        policies=pols,
+        runs=2,
+        max_tokens=8,
+        on_run=lambda kind, w, temp, i: order.append((kind, i)),
+    )
+    kinds = ["off", "on:ngram[ngram_copy.max_block=2]", "on:ngram[ngram_copy.max_block=8]"]
+    assert order == [(k, i) for i in (-1, 0, 1) for k in kinds]
+    assert [r.policy for r in res] == [p.name for p in pols]
+    a, b = res
+    assert a.off is b.off and len(a.off) == 2  # one set of off runs for both
+    assert len(a.on) == len(b.on) == 2 and a.on is not b.on
+    assert a.identical and b.identical
+    for r in res:
+        d = r.details()
+        assert d["commit_fraction"] == round(r.commit_fraction, 5)
+        assert d["rollbacks"] == ["kv_trim"]
+        assert all(s.drafted > 0 for s in r.on)  # the copy prompt gets drafts
+        assert r.commit_fraction > 0  # drafted rounds were committed and timed
+    with pytest.raises(specdec.RequestError, match="different names"):
+        run_bench(model, tok, get_workloads(["prose"]), policies=["copy", "copy"])
+    with pytest.raises(specdec.RequestError, match="policies is empty"):
+        run_bench(model, tok, get_workloads(["prose"]), policies=[])
+
+
 def test_progress_redraws_one_line_on_a_terminal():
     class Tty(io.StringIO):
         def isatty(self):
@@ -428,6 +504,72 @@ def test_cli_policy_with_unknown_component(capsys, no_model_loading, byte_model,
     toml.write_text('drafters = ["no_such_drafter"]\n')
     rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), "--policy", str(toml))
     assert_usage_error(rc, out, err, "no_such_drafter")
+
+
+def test_cli_sweep_table_has_a_row_per_value(capsys, byte_model, tmp_path):
+    details = tmp_path / "d.json"
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--model",
+        str(byte_model),
+        *FAST,
+        "-w",
+        "code-edit",
+        "--baseline",
+        "mlx-lm",
+        "--sweep",
+        "ngram_copy.max_block=2,4",
+        "--no-progress",
+        "--details",
+        str(details),
+    )
+    assert rc == 0, err
+    assert "| workload | temp | policy | off tok/s |" in out and "| commit/verify |" in out
+    assert "| code-edit | 0 | copy[ngram_copy.max_block=2] |" in out
+    assert "| code-edit | 0 | copy[ngram_copy.max_block=4] |" in out
+    assert out.count("| code-edit | 0 |") == 3  # two policies, one baseline row
+    d = json.loads(details.read_text())
+    assert d["policies"] == ["copy[ngram_copy.max_block=2]", "copy[ngram_copy.max_block=4]"]
+    assert d["random_weights"] is False
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--sweep", "nope.x=1,2"], "no installed component is named 'nope'"),
+        (["--sweep", "ngram_copy.max_block"], "COMPONENT.OPTION="),
+        (["--random-weights"], "has weights"),
+    ],
+)
+def test_cli_sweep_and_random_weights_errors(capsys, no_model_loading, byte_model, args, needle):
+    rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), *args)
+    assert_usage_error(rc, out, err, needle)
+
+
+def test_cli_random_weights_need_a_model(capsys, no_model_loading):
+    rc, out, err = run_cli(capsys, "bench", "--random-weights")
+    assert_usage_error(rc, out, err, "--random-weights needs --model FOLDER")
+
+
+def test_cli_config_only_folder_without_random_weights(capsys, no_model_loading, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    rc, out, err = run_cli(capsys, "bench", "--model", str(tmp_path))
+    assert_usage_error(rc, out, err, "no weights")
+
+
+def test_cli_random_weights_from_a_config(capsys, tmp_path):
+    cfg = json.loads((Path(__file__).parent / "data" / "tiny-llama-config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = run_cli(
+        capsys, "bench", "--model", str(tmp_path), "--random-weights", *FAST, "--json"
+    )
+    assert rc == 0, err
+    assert "(random weights, seed 0)" in err
+    records = json.loads(out)
+    assert [r["workload"] for r in records] == ["code-edit", "extraction", "prose"]
+    assert all(r["identical"] for r in records)
+    assert "| n/a |" in err  # no faithfulness for a model with random weights
 
 
 def test_bench_is_listed_in_help(capsys):

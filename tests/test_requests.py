@@ -243,3 +243,11 @@ def test_stats_time_verify_and_commit_in_speculative_rounds(models, copy_prompts
     assert "rollback_fraction" in st.to_dict()
     plain = specdec.assemble(m, policy="none").generate(copy_prompts["gemma3"], max_tokens=4).stats
     assert plain.verify_time_s == plain.commit_time_s == plain.rollback_fraction == 0
+
+    # rounds of the speculative loop that drafted nothing are not counted
+    undrafted = specdec.assemble(
+        m, policy=oracle_policy(m, "none", block=16, min_block=16)
+    ).generate(copy_prompts["gemma3"], max_tokens=10)
+    st = undrafted.stats
+    assert st.drafted == 0 and st.target_forwards == 10 and st.speculation_off_reason is None
+    assert st.verify_time_s == st.commit_time_s == st.rollback_fraction == 0

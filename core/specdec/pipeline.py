@@ -428,8 +428,9 @@ class Pipeline:
                 txn.abort()
                 raise
             t_done = time.perf_counter()
-            stats.verify_time_s += t_commit - t_verify
-            stats.commit_time_s += t_done - t_commit
+            if block:  # a round with nothing drafted has nothing to roll back
+                stats.verify_time_s += t_commit - t_verify
+                stats.commit_time_s += t_done - t_commit
             stats.target_forwards += 1
             stats.acceptors[acc_name] = stats.acceptors.get(acc_name, 0) + 1
             if chosen is not None:

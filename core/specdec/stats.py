@@ -18,9 +18,10 @@ class Stats:
         accepted: draft tokens accepted.
         rounds_with_draft: rounds that verified a non-empty block.
         prompt_time_s / decode_time_s: wall time of prefill / of decoding.
-        verify_time_s / commit_time_s: in speculative rounds, time from the verify
-            forward to the acceptance decision, and time to commit the caches
-            (rollback) and settle them; plain pipelined decoding leaves both 0.
+        verify_time_s / commit_time_s: in rounds that verified a drafted block,
+            time from the verify forward to the acceptance decision, and time to
+            commit the caches (rollback) and settle them; rounds with nothing
+            drafted and plain pipelined decoding add nothing to either.
         peak_memory_gb: MLX peak memory during the request.
         per_drafter: ``{name: {"rounds", "drafted", "accepted", ...drafter stats}}``.
         speculation_off_reason: why speculation did not run, or ``None``.
@@ -63,7 +64,7 @@ class Stats:
 
     @property
     def rollback_fraction(self) -> float:
-        """Commit (rollback) time as a fraction of verify time, over speculative rounds."""
+        """Commit (rollback) time as a fraction of verify time, over rounds with a drafted block."""
         return self.commit_time_s / self.verify_time_s if self.verify_time_s > 0 else 0.0
 
     @property

@@ -13,7 +13,16 @@ Library use::
 from __future__ import annotations
 
 from .progress import Progress
-from .runner import BASELINES, RECORD_FIELDS, RunSample, WorkloadResult, run_bench, total_steps
+from .runner import (
+    BASELINES,
+    RECORD_FIELDS,
+    RunSample,
+    WorkloadResult,
+    parse_sweep,
+    run_bench,
+    sweep_policies,
+    total_steps,
+)
 from .workloads import Workload, faithfulness, get_workloads, load_workloads, workload_names
 
 __all__ = [
@@ -26,7 +35,9 @@ __all__ = [
     "faithfulness",
     "get_workloads",
     "load_workloads",
+    "parse_sweep",
     "run_bench",
+    "sweep_policies",
     "total_steps",
     "workload_names",
 ]

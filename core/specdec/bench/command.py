@@ -21,7 +21,7 @@ from ..cli import (
 )
 from .plot import MATPLOTLIB_MISSING, matplotlib_available, plot_results
 from .progress import Progress
-from .runner import BASELINES, run_bench, total_steps
+from .runner import BASELINES, run_bench, sweep_policies, total_steps
 from .workloads import get_workloads, workload_names
 
 DEFAULT_RUNS = 3
@@ -53,6 +53,24 @@ def add_bench_parser(sub: Any, func: Any) -> None:
         "--policy",
         default=DEFAULT_POLICY,
         help=f"the policy measured against 'none': a preset or a .toml file (default: {DEFAULT_POLICY})",
+    )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help=(
+            "build the --model folder's config.json with random weights (a folder with no "
+            "*.safetensors; without tokenizer files it gets a byte tokenizer): measures "
+            "identity, tokens per forward and commit cost on an architecture, not speed-ups"
+        ),
+    )
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="COMPONENT.OPTION=V1,V2,...",
+        help=(
+            "measure one variant of --policy per value of a component option against the "
+            "same 'none' runs, e.g. gdn_transaction.strategy=capture,tape,rerun"
+        ),
     )
     p.add_argument(
         "--workload",
@@ -115,6 +133,19 @@ def add_bench_parser(sub: Any, func: Any) -> None:
     p.set_defaults(func=func)
 
 
+def _check_sweep_component(name: str) -> None:
+    """The swept component must be installed (any role)."""
+    import specdec
+
+    host = specdec.get_plugin_host()
+    known = sorted({n for comps in host.components.values() for n in comps})
+    if name not in known:
+        raise CliError(
+            f"--sweep: no installed component is named {name!r}; installed components: "
+            f"{', '.join(known)} (see 'specdec plugins')"
+        )
+
+
 def _check_output_path(path: str, flag: str) -> str:
     path = os.path.expanduser(path)
     parent = os.path.dirname(os.path.abspath(path))
@@ -133,17 +164,21 @@ def format_table(results: list, *, baseline: str | None = None) -> str:
     """The results as a Markdown table (and a baseline table when there is one)."""
     head = (
         "| workload | temp | off tok/s | on tok/s | ratio | tokens/forward | acceptance "
-        "| identical | peak off GB | peak on GB | faithful |"
+        "| identical | peak off GB | peak on GB | commit/verify | faithful |"
     )
-    lines = [head, "|" + "---|" * 11]
+    if len({r.policy for r in results}) > 1:
+        head = head.replace("| temp |", "| temp | policy |", 1)
+    lines = [head, "|" + "---|" * head.count(" |")]
     for res in results:
         r = res.record()
         faith = "n/a" if res.faithfulness is None else f"{100 * res.faithfulness:.0f}%"
+        pol = f" {r['policy']} |" if "| policy |" in head else ""
         lines.append(
-            f"| {r['workload']} | {r['temp']:g} | {r['off_tps']:.1f} | {r['on_tps']:.1f} "
+            f"| {r['workload']} | {r['temp']:g} |{pol} {r['off_tps']:.1f} | {r['on_tps']:.1f} "
             f"| {r['ratio']:.2f}x | {r['tokens_per_forward']:.2f} "
             f"| {100 * r['acceptance_rate']:.0f}% | {'yes' if r['identical'] else 'NO'} "
-            f"| {r['off_peak_gb']:.3f} | {r['on_peak_gb']:.3f} | {faith} |"
+            f"| {r['off_peak_gb']:.3f} | {r['on_peak_gb']:.3f} "
+            f"| {100 * res.commit_fraction:.1f}% | {faith} |"
         )
     if baseline:
         lines += [
@@ -151,7 +186,11 @@ def format_table(results: list, *, baseline: str | None = None) -> str:
             f"| workload | temp | none tok/s | {baseline} tok/s | none / {baseline} | same tokens |",
             "|---|---|---|---|---|---|",
         ]
+        seen = set()
         for res in results:
+            if (res.workload, res.temp) in seen:  # policies of a sweep share the baseline
+                continue
+            seen.add((res.workload, res.temp))
             d = res.details()
             same = d["baseline_identical"]
             lines.append(
@@ -183,6 +222,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workloads = get_workloads(args.workload)
     policy = specdec.load_policy(args.policy)
     _check_policy_components(policy)
+    policies = [policy]
+    if args.sweep is not None:
+        policies = sweep_policies(policy, args.sweep)
+        _check_sweep_component(args.sweep.partition(".")[0])
     if args.plot is not None:
         args.plot = _check_output_path(args.plot, "--plot")
         if not matplotlib_available():
@@ -190,26 +233,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.details is not None:
         args.details = _check_output_path(args.details, "--details")
     model_spec = _check_model_spec(args.model, "--model") if args.model else None
+    if args.random_weights and model_spec is None:
+        raise CliError("--random-weights needs --model FOLDER (a folder with a config.json)")
     if model_spec is None:
         model_spec = _default_model()
+    from ..loading import check_model_path, load_model
+
+    check_model_path(model_spec, random_weights=args.random_weights)
 
     # 2. the model, once
-    from ..loading import load_model
-
     try:
-        model, tokenizer = load_model(model_spec)
+        model, tokenizer = load_model(
+            model_spec, random_weights=args.random_weights, seed=args.seed
+        )
     except specdec.SpecdecError:
         raise
     except (OSError, ValueError) as exc:  # pragma: no cover - load_model wraps these
         raise CliError(f"cannot load model {model_spec!r}: {exc}") from exc
 
     progress = Progress(
-        total_steps(len(workloads), len(temps), args.runs, args.baseline is not None),
+        total_steps(
+            len(workloads),
+            len(temps),
+            args.runs,
+            args.baseline is not None,
+            n_policies=len(policies),
+        ),
         sys.stderr,
         enabled=not args.no_progress,
     )
+    measured = ", ".join(p.name for p in policies)
     print(
-        f"specdec bench: model {model_spec}, policy {policy.name} vs none, "
+        f"specdec bench: model {model_spec}"
+        + (f" (random weights, seed {args.seed})" if args.random_weights else "")
+        + f", policy {measured} vs none, "
         f"{args.runs} run(s) each, {args.max_tokens} tokens, temp {', '.join(f'{t:g}' for t in temps)}, "
         f"seed {args.seed}" + (f", baseline {args.baseline}" if args.baseline else ""),
         file=sys.stderr,
@@ -220,12 +277,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             model,
             tokenizer,
             workloads,
-            policy=policy,
+            policies=policies,
             runs=args.runs,
             temps=temps,
             max_tokens=args.max_tokens,
             seed=args.seed,
             baseline=args.baseline,
+            score_faithfulness=not args.random_weights,
             progress=progress,
         )
     finally:
@@ -241,6 +299,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         doc = {
             "model": str(model_spec),
             "policy": policy.name,
+            "policies": [p.name for p in policies],
+            "random_weights": args.random_weights,
             "runs": args.runs,
             "max_tokens": args.max_tokens,
             "seed": args.seed,

@@ -40,8 +40,13 @@ def plot_results(results: Sequence[Any], path: str | os.PathLike, *, title: str 
 
     records = [r.record() for r in results]
     temps = {r["temp"] for r in records}
+    policies = list(dict.fromkeys(r["policy"] for r in records))
     labels = [
-        r["workload"] if len(temps) == 1 else f"{r['workload']}\ntemp {r['temp']:g}"
+        "\n".join(
+            [r["workload"]]
+            + ([f"temp {r['temp']:g}"] if len(temps) > 1 else [])
+            + ([r["policy"]] if len(policies) > 1 else [])
+        )
         for r in records
     ]
     x = list(range(len(records)))
@@ -49,7 +54,7 @@ def plot_results(results: Sequence[Any], path: str | os.PathLike, *, title: str 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(records) + 3), 4.2))
     off = [r["off_tps"] for r in records]
     on = [r["on_tps"] for r in records]
-    policy = records[0]["policy"] if records else "policy"
+    policy = policies[0] if len(policies) == 1 else "policy"
     ax1.bar([i - w / 2 for i in x], off, w, label="none (off)", color="#9aa5b1")
     ax1.bar([i + w / 2 for i in x], on, w, label=f"{policy} (on)", color="#2f7ed8")
     for i, r in enumerate(records):

@@ -5,6 +5,12 @@ memory). For each temperature and workload: a short warm-up of every contender,
 then ``runs`` rounds of ``off`` (the ``none`` policy), optionally ``mlx-lm``
 (mlx-lm's own ``stream_generate``), then ``on`` (the chosen policy), in that order.
 Every run decodes the same prompt with the same seed.
+
+Several policies can be measured against the same ``off`` runs (``policies=``;
+:func:`sweep_policies` makes one per value of a component option, as ``specdec
+bench --sweep gdn_transaction.strategy=capture,tape,rerun`` does): each round then
+runs ``off``, ``mlx-lm``, and every policy in turn, and each policy gets its own
+:class:`WorkloadResult` sharing the ``off`` and ``mlx-lm`` runs.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ __all__ = [
     "RECORD_FIELDS",
     "RunSample",
     "WorkloadResult",
+    "parse_sweep",
     "run_bench",
+    "sweep_policies",
 ]
 
 #: The fields of each ``--json`` record, in order.
@@ -61,6 +69,9 @@ class RunSample:
     Attributes:
         kind: ``"off"``, ``"on"`` or ``"mlx-lm"``.
         tokens / text: the output.
+        rollback_fraction, verify_time_s, commit_time_s, rollbacks: from the
+            request's stats: cache commits (rollbacks) as a fraction of verify
+            forwards, their times, and the cache rollbacks in use.
         decode_tps: the request's ``stats.decode_tps`` (prompt processing excluded);
             for ``mlx-lm``, :attr:`step_tps`.
         step_tps: ``(n - 1) / (t_last - t_first)`` from the wall-clock times at which
@@ -84,6 +95,10 @@ class RunSample:
     target_forwards: int | None = None
     prompt_tps: float | None = None
     finish_reason: str | None = None
+    rollback_fraction: float | None = None
+    verify_time_s: float | None = None
+    commit_time_s: float | None = None
+    rollbacks: list | None = None
 
     def to_dict(self, *, with_output: bool = False) -> dict:
         d = attrs.asdict(self)
@@ -124,6 +139,11 @@ class WorkloadResult:
     @property
     def ratio(self) -> float:
         return self.on_tps / self.off_tps if self.off_tps > 0 else 0.0
+
+    @property
+    def commit_fraction(self) -> float:
+        """Median over the ``on`` runs of commit (rollback) time / verify time."""
+        return _median([s.rollback_fraction or 0.0 for s in self.on])
 
     @property
     def identical(self) -> bool:
@@ -183,6 +203,8 @@ class WorkloadResult:
                 None if self.baseline_ratio is None else round(self.baseline_ratio, 4)
             ),
             baseline_identical=self.baseline_identical,
+            commit_fraction=round(self.commit_fraction, 5),
+            rollbacks=self.on[0].rollbacks if self.on else [],
             runs={
                 "off": [s.to_dict(with_output=with_output) for s in self.off],
                 "on": [s.to_dict(with_output=with_output) for s in self.on],
@@ -226,6 +248,10 @@ def _run_pipeline(
         target_forwards=int(s.target_forwards),
         prompt_tps=float(s.prompt_tps),
         finish_reason=last.finish_reason,
+        rollback_fraction=float(s.rollback_fraction),
+        verify_time_s=float(s.verify_time_s),
+        commit_time_s=float(s.commit_time_s),
+        rollbacks=list(s.rollbacks),
     )
 
 
@@ -271,18 +297,72 @@ def _run_mlx_lm(
     )
 
 
+def _parse_value(text: str) -> Any:
+    """An option value from the command line: int, float, true/false, else the string."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_sweep(spec: str) -> tuple[str, str, list]:
+    """Parse ``COMPONENT.OPTION=V1,V2,...`` into ``(component, option, values)``.
+
+    Values are read as integers, floats or ``true``/``false`` where they look like
+    one, else kept as strings.
+
+    Raises:
+        RequestError: the text is not of that form, or a value is repeated.
+    """
+    form = "expected COMPONENT.OPTION=V1,V2,... (e.g. gdn_transaction.strategy=capture,tape,rerun)"
+    key, eq, vals = spec.partition("=")
+    component, dot, option = key.strip().partition(".")
+    if not eq or not dot or not component or not option or "." in option:
+        raise RequestError(f"bad sweep {spec!r}: {form}")
+    texts = [v.strip() for v in vals.split(",")]
+    if not vals.strip() or any(not v for v in texts):
+        raise RequestError(f"bad sweep {spec!r}: empty value; {form}")
+    if len(set(texts)) != len(texts):
+        raise RequestError(f"bad sweep {spec!r}: a value is given twice")
+    return component, option, [_parse_value(v) for v in texts]
+
+
+def sweep_policies(policy: Policy | str, spec: str) -> list[Policy]:
+    """One copy of ``policy`` per value of the swept option (see :func:`parse_sweep`).
+
+    Each copy is named ``"<policy>[<component>.<option>=<value>]"``; the option is
+    merged into the policy's options for that component.
+    """
+    pol = load_policy(policy)
+    component, option, values = parse_sweep(spec)
+    return [
+        attrs.evolve(
+            pol.with_options(component, **{option: v}),
+            name=f"{pol.name}[{component}.{option}={v}]",
+        )
+        for v in values
+    ]
+
+
 def run_bench(
     model: Any,
     tokenizer: Any,
     workloads: Sequence[Workload],
     *,
     policy: Policy | str = "copy",
+    policies: Sequence[Policy | str] | None = None,
     runs: int = 3,
     temps: Sequence[float] = (0.0,),
     max_tokens: int = 300,
     seed: int = 0,
     baseline: str | None = None,
     warmup: bool = True,
+    score_faithfulness: bool = True,
     progress: Progress | None = None,
     on_run: Callable[[str, Workload, float, int], None] | None = None,
 ) -> list[WorkloadResult]:
@@ -292,6 +372,8 @@ def run_bench(
         model, tokenizer: one loaded model, shared by every pipeline.
         workloads: what to run (see :func:`~specdec.bench.workloads.get_workloads`).
         policy: the speculative policy (preset name, TOML path, dict or Policy).
+        policies: several speculative policies, each measured against the same
+            ``off`` runs (replaces ``policy``; names must differ).
         runs: measured runs of each contender per workload and temperature.
         temps: sampling temperatures (0 = greedy); each gets its own records.
         max_tokens: tokens generated per run.
@@ -299,12 +381,16 @@ def run_bench(
         baseline: ``None`` or ``"mlx-lm"``.
         warmup: run every contender once for a few tokens on each workload's prompt
             before its first measured run.
+        score_faithfulness: compare the output with each workload's expected answer
+            (off for a model with random weights, whose output means nothing).
         progress: a :class:`Progress` advanced once per run.
         on_run: called as ``on_run(kind, workload, temp, run_index)`` before each
-            measured run (``run_index`` is -1 for warm-up runs).
+            measured run (``run_index`` is -1 for warm-up runs). ``kind`` is ``"off"``,
+            ``"mlx-lm"``, and ``"on"`` (one policy) or ``"on:<policy name>"`` (several).
 
     Returns:
-        One :class:`WorkloadResult` per (temperature, workload), temperatures outermost.
+        One :class:`WorkloadResult` per (temperature, workload, policy),
+        temperatures outermost, policies innermost.
 
     Raises:
         RequestError: bad arguments (before any model work).
@@ -319,34 +405,45 @@ def run_bench(
         raise RequestError(f"unknown baseline {baseline!r}: expected one of {', '.join(BASELINES)}")
     if not workloads:
         raise RequestError("no workloads to run")
-    pol = load_policy(policy)
+    if policies is not None and not policies:
+        raise RequestError("policies is empty: give at least one policy")
+    pols = [load_policy(p) for p in (policies if policies is not None else [policy])]
+    names = [p.name for p in pols]
+    if len(set(names)) != len(names):
+        raise RequestError(f"the measured policies need different names, got {names}")
     off_pipe = assemble(model, tokenizer, "none")
-    on_pipe = assemble(model, tokenizer, pol)
-    kinds = ["off", *(["mlx-lm"] if baseline else []), "on"]
+    on_pipes = [assemble(model, tokenizer, p) for p in pols]
+    on_kinds = ["on"] if len(pols) == 1 else [f"on:{n}" for n in names]
+    kinds = ["off", *(["mlx-lm"] if baseline else []), *on_kinds]
+    pipes = {"off": off_pipe, **dict(zip(on_kinds, on_pipes))}
 
     def run(kind: str, ids: list[int], n: int, temp: float) -> RunSample:
         # The previous run's caches may sit in reference cycles until the cyclic GC
         # runs; collect them now so that they do not count in this run's peak memory.
         gc.collect()
-        if kind == "off":
-            return _run_pipeline(kind, off_pipe, ids, n, temp, seed)
-        if kind == "on":
-            return _run_pipeline(kind, on_pipe, ids, n, temp, seed)
-        return _run_mlx_lm(model, tokenizer, ids, n, temp, seed)
+        if kind == "mlx-lm":
+            return _run_mlx_lm(model, tokenizer, ids, n, temp, seed)
+        return _run_pipeline("off" if kind == "off" else "on", pipes[kind], ids, n, temp, seed)
 
     results: list[WorkloadResult] = []
     warmed: set[str] = set()
     for temp in temps:
         for w in workloads:
             ids = w.prompt_ids(off_pipe)
-            res = WorkloadResult(
-                workload=w.name,
-                temp=float(temp),
-                policy=pol.name,
-                prompt_tokens=len(ids),
-                max_tokens=max_tokens,
-                baseline_name=baseline,
-            )
+            off: list[RunSample] = []
+            base: list[RunSample] = []
+            per_kind = {}
+            for kind, pol in zip(on_kinds, pols):
+                per_kind[kind] = WorkloadResult(
+                    workload=w.name,
+                    temp=float(temp),
+                    policy=pol.name,
+                    prompt_tokens=len(ids),
+                    max_tokens=max_tokens,
+                    baseline_name=baseline,
+                    off=off,
+                    baseline=base,
+                )
             label = f"{w.name} temp {temp:g}"
             if warmup and w.name not in warmed:
                 warmed.add(w.name)
@@ -365,19 +462,32 @@ def run_bench(
                     if on_run is not None:
                         on_run(kind, w, temp, i)
                     sample = run(kind, ids, max_tokens, temp)
-                    {"off": res.off, "on": res.on, "mlx-lm": res.baseline}[kind].append(sample)
+                    if kind == "off":
+                        off.append(sample)
+                    elif kind == "mlx-lm":
+                        base.append(sample)
+                    else:
+                        per_kind[kind].on.append(sample)
                     if progress is not None:
                         progress.advance()
-            if res.off:
-                ref = res.off[0]
-                res.faithfulness = w.faithfulness(ref.text, complete=ref.finish_reason == "stop")
-            results.append(res)
+            faith = None
+            if score_faithfulness and off:
+                ref = off[0]
+                faith = w.faithfulness(ref.text, complete=ref.finish_reason == "stop")
+            for res in per_kind.values():
+                res.faithfulness = faith
+                results.append(res)
     return results
 
 
 def total_steps(
-    n_workloads: int, n_temps: int, runs: int, baseline: bool, warmup: bool = True
+    n_workloads: int,
+    n_temps: int,
+    runs: int,
+    baseline: bool,
+    warmup: bool = True,
+    n_policies: int = 1,
 ) -> int:
     """How many runs :func:`run_bench` makes (for the progress bar)."""
-    kinds = 3 if baseline else 2
+    kinds = 1 + (1 if baseline else 0) + n_policies
     return n_workloads * kinds * (n_temps * runs + (1 if warmup else 0))
