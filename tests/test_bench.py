@@ -539,6 +539,7 @@ def test_cli_sweep_table_has_a_row_per_value(capsys, byte_model, tmp_path):
     [
         (["--sweep", "nope.x=1,2"], "no installed component is named 'nope'"),
         (["--sweep", "ngram_copy.max_block"], "COMPONENT.OPTION="),
+        (["--policy", "ngram", "--sweep", "copy_governor.ema=0.5,0.9"], "does not use"),
         (["--random-weights"], "has weights"),
     ],
 )

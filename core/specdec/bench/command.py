@@ -133,8 +133,13 @@ def add_bench_parser(sub: Any, func: Any) -> None:
     p.set_defaults(func=func)
 
 
-def _check_sweep_component(name: str) -> None:
-    """The swept component must be installed (any role)."""
+def _check_sweep_component(name: str, policy: Any) -> None:
+    """The swept component must be installed and used by the policy.
+
+    Used means: one of its drafters, its governor, verifier or acceptor, or a cache
+    rollback (with ``rollback = "auto"`` any installed rollback may serve a cache;
+    the bench warns afterwards when the swept one served none).
+    """
     import specdec
 
     host = specdec.get_plugin_host()
@@ -143,6 +148,31 @@ def _check_sweep_component(name: str) -> None:
         raise CliError(
             f"--sweep: no installed component is named {name!r}; installed components: "
             f"{', '.join(known)} (see 'specdec plugins')"
+        )
+    used = {*policy.drafters, policy.governor, policy.verifier, policy.acceptor}
+    rollbacks = set(host.components.get("cache_rollback", {}))
+    if name not in used and name not in rollbacks:
+        in_policy = sorted(n for n in used if n and n != "auto")
+        raise CliError(
+            f"--sweep: policy {policy.name!r} does not use {name!r}, so its option would "
+            f"change nothing; sweep one of {', '.join(in_policy + sorted(rollbacks))}"
+        )
+
+
+def _warn_unused_rollback(name: str, results: list) -> None:
+    """A swept cache rollback that served no cache changed nothing: say so."""
+    import specdec
+
+    if name not in specdec.get_plugin_host().components.get("cache_rollback", {}):
+        return
+    used = {rb.split(":", 1)[0] for res in results for s in res.on for rb in (s.rollbacks or [])}
+    if name not in used:
+        print(
+            f"specdec bench: warning: cache rollback {name!r} served no cache of this model "
+            f"(rollbacks in use: {', '.join(sorted(used)) or 'none'}); the swept variants "
+            "differ in nothing",
+            file=sys.stderr,
+            flush=True,
         )
 
 
@@ -225,7 +255,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     policies = [policy]
     if args.sweep is not None:
         policies = sweep_policies(policy, args.sweep)
-        _check_sweep_component(args.sweep.partition(".")[0])
+        _check_sweep_component(args.sweep.partition(".")[0], policy)
     if args.plot is not None:
         args.plot = _check_output_path(args.plot, "--plot")
         if not matplotlib_available():
@@ -289,6 +319,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         progress.close()
 
+    if args.sweep is not None:
+        _warn_unused_rollback(args.sweep.partition(".")[0], results)
     table = format_table(results, baseline=args.baseline)
     if args.json:
         _print_json([r.record() for r in results])

@@ -58,3 +58,40 @@ def test_bench_reports_commit_cost_per_strategy(capsys, tmp_path, config):
         assert r["commit_fraction"] > 0
         assert f"| code-edit | 0 | ngram[gdn_transaction.strategy={strategy}] |" in out
     assert r["faithfulness"] is None  # random weights: the output is not scored
+
+
+def test_sweeping_a_rollback_the_model_does_not_use_is_flagged(capsys, tmp_path):
+    """An attention-only model has no GDN cache: the swept strategies change nothing."""
+    config = dict(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+        rope_theta=10000.0,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc = main(
+        [
+            "bench",
+            "--model",
+            str(tmp_path),
+            "--random-weights",
+            "--sweep",
+            "gdn_transaction.strategy=capture,tape",
+            "-w",
+            "prose",
+            "--runs",
+            "1",
+            "--max-tokens",
+            "4",
+            "--no-progress",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "warning: cache rollback 'gdn_transaction' served no cache of this model" in err
+    assert "kv_trim" in err
