@@ -260,3 +260,31 @@ def test_test_kit_names_documented():
     text = _read(DOCS / "testing-plugins.md")
     missing = [n for n in kit.__all__ if f"`{n}" not in text and f"{n}(" not in text]
     assert not missing, f"docs/testing-plugins.md does not mention {missing}"
+
+
+def _bench_flags() -> list[str]:
+    import argparse
+
+    from specdec.bench.command import add_bench_parser
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(), func=None)
+    (bench,) = parser._subparsers._group_actions[0].choices.values()
+    return [
+        max(a.option_strings, key=len)
+        for a in bench._actions
+        if a.option_strings and a.dest != "help"
+    ]
+
+
+@pytest.mark.parametrize("flag", _bench_flags())
+def test_bench_flags_documented(flag):
+    assert f"`{flag}" in _read(DOCS / "bench.md"), f"docs/bench.md must document {flag}"
+
+
+def test_bench_record_fields_documented():
+    from specdec.bench import RECORD_FIELDS
+
+    text = _read(DOCS / "bench.md")
+    missing = [f for f in RECORD_FIELDS if f'"{f}"' not in text]
+    assert not missing, f"docs/bench.md's JSON example lacks {missing}"
