@@ -40,8 +40,9 @@ def add_bench_parser(sub: Any, func: Any) -> None:
             "Run the shipped workloads with the 'none' policy (off) and a speculative "
             "policy (on), interleaved, and report median decode tok/s (prompt processing "
             "excluded), the on/off ratio, tokens per target forward, acceptance, whether "
-            "every run was token-identical to plain decoding, peak memory, and how "
-            f"faithful the output is to the expected answer. Workloads: {names}."
+            "every run was token-identical to plain decoding, peak memory, cache commit "
+            "(rollback) time over verify time, and how faithful the output is to the "
+            f"expected answer. Workloads: {names}."
         ),
     )
     p.add_argument(
@@ -104,7 +105,7 @@ def add_bench_parser(sub: Any, func: Any) -> None:
         "--seed",
         type=int,
         default=DEFAULT_SEED,
-        help=f"the sampling seed of every run (default: {DEFAULT_SEED})",
+        help=f"the sampling seed of every run, and the weights' seed with --random-weights (default: {DEFAULT_SEED})",
     )
     p.add_argument(
         "--baseline",
