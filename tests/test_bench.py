@@ -438,7 +438,6 @@ def test_cli_sampled_runs_are_identical(capsys, byte_model):
 
 
 def test_cli_baseline_details_and_plot(capsys, byte_model, tmp_path):
-    pytest.importorskip("matplotlib")
     plot, details = tmp_path / "bench.png", tmp_path / "bench.json"
     rc, out, err = run_cli(
         capsys,
