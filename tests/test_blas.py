@@ -167,6 +167,36 @@ def test_too_late_after_mlx_import():
 
 
 @needs_fast_blas
+def test_import_specdec_after_mlx_warns_when_too_late():
+    code = (
+        "import json, warnings\n"
+        "warnings.simplefilter('always')\n"
+        "import mlx.core\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import specdec\n"
+        "st = specdec.blas.ensure_fast_blas()\n"
+        "print(json.dumps({'action': st.action, 'active': specdec.blas.active_blas_library(),\n"
+        "                  'warnings': [str(x.message) for x in w]}))\n"
+    )
+    out = _run(code)
+    if blas.is_reference_blas(out["active"]):
+        assert out["action"] == "too_late"
+        (msg,) = [m for m in out["warnings"] if "reference BLAS" in m]
+        assert "import specdec before mlx" in msg and "LD_PRELOAD=" in msg
+    else:  # mlx found a fast BLAS by itself: nothing to warn about
+        assert not [m for m in out["warnings"] if "reference BLAS" in m]
+    fine = _run(
+        "import json, warnings\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import specdec\n"
+        "print(json.dumps({'warnings': [str(x.message) for x in w]}))\n"
+    )
+    assert not [m for m in fine["warnings"] if "reference BLAS" in m]
+
+
+@needs_fast_blas
 def test_reexec_with_ld_preload():
     out = _run(
         "import mlx.core, os\n"

@@ -15,7 +15,18 @@ from __future__ import annotations
 # Before anything imports mlx: bind MLX's CPU matmuls to a fast BLAS when one is installed.
 from . import blas as _blas
 
-_blas.ensure_fast_blas()
+_blas_status = _blas.ensure_fast_blas()
+if _blas_status.action == "too_late":
+    import warnings as _warnings
+
+    _warnings.warn(
+        "specdec: mlx was imported before specdec, so MLX's CPU matmuls use mlx-cpu's "
+        "reference BLAS (about 10x slower, which makes speculation pointless); import "
+        "specdec before mlx or mlx_lm, or run with "
+        f"LD_PRELOAD={_blas_status.library}. 'specdec doctor' shows the BLAS in use.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 from .errors import (
     ModelLoadError,
