@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import specdec
+from specdec.testing import tiny_model_args
 
 SEED_PROMPT = [3, 17, 42, 9, 28, 5, 61, 11]
 
@@ -15,3 +20,21 @@ def oracle_policy(model, corruption="none", block=4, **extra):
         options={"oracle": {"model": model, "corruption": corruption, "block": block}},
         **extra,
     )
+
+
+def tiny_config(**overrides) -> dict:
+    """The kit's tiny llama as a ``config.json`` dict, vocabulary 256 (the byte tokenizer's)."""
+    return {**dataclasses.asdict(tiny_model_args("llama", vocab_size=256)), **overrides}
+
+
+def write_random_llama(path: Path, config: dict, *, seed: int = 0) -> None:
+    """Write ``config.json`` and random weights (normal, std 0.5) of a llama ``config``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import llama
+
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.random.seed(seed)
+    model.update(tree_map(lambda p: 0.5 * mx.random.normal(p.shape), model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import specdec
+from core_support import tiny_config, write_random_llama
 from specdec.bench import (
     RECORD_FIELDS,
     Progress,
@@ -43,9 +44,6 @@ def write_byte_model(path: Path, *, seed: int = 0) -> Path:
     The tokenizer's merges are learned from the workloads' texts (so prompts stay
     short and tests fast); any text encodes, byte by byte where no merge applies.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.models import llama
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -83,11 +81,7 @@ def write_byte_model(path: Path, *, seed: int = 0) -> Path:
         rope_theta=10000.0,
         max_position_embeddings=16384,
     )
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.random.seed(seed)
-    model.update(tree_map(lambda p: 0.5 * mx.random.normal(p.shape), model.parameters()))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
+    write_random_llama(path, config, seed=seed)
     return path
 
 
@@ -559,8 +553,7 @@ def test_cli_config_only_folder_without_random_weights(capsys, no_model_loading,
 
 
 def test_cli_random_weights_from_a_config(capsys, tmp_path):
-    cfg = json.loads((Path(__file__).parent / "data" / "tiny-llama-config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
     rc, out, err = run_cli(
         capsys, "bench", "--model", str(tmp_path), "--random-weights", *FAST, "--json"
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import specdec
+from core_support import write_random_llama
 from specdec import blas
 from specdec.cli import format_stats_line, main
 
@@ -47,9 +48,6 @@ STATS_KEYS = {
 
 def write_tiny_model(path: Path, *, seed: int = 0) -> Path:
     """A 2-layer llama with random weights and a word-level tokenizer with a chat template."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.models import llama
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -82,11 +80,7 @@ def write_tiny_model(path: Path, *, seed: int = 0) -> Path:
         rope_theta=10000.0,
         max_position_embeddings=512,
     )
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.random.seed(seed)
-    model.update(tree_map(lambda p: 0.5 * mx.random.normal(p.shape), model.parameters()))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
+    write_random_llama(path, config, seed=seed)
     return path
 
 

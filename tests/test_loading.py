@@ -8,25 +8,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 import specdec
+from core_support import tiny_config
 from specdec.loading import ByteTokenizer, check_model_path, load_model
-
-LLAMA = dict(
-    model_type="llama",
-    hidden_size=32,
-    num_hidden_layers=2,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=256,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-)
 
 
 def config_folder(path: Path, **overrides) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**LLAMA, **overrides}))
+    (path / "config.json").write_text(json.dumps(tiny_config(**overrides)))
     return path
 
 

@@ -254,9 +254,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     policy = specdec.load_policy(args.policy)
     _check_policy_components(policy)
     policies = [policy]
+    swept = None  # the swept component's name
     if args.sweep is not None:
         policies = sweep_policies(policy, args.sweep)
-        _check_sweep_component(args.sweep.partition(".")[0], policy)
+        swept = args.sweep.partition(".")[0]
+        _check_sweep_component(swept, policy)
     if args.plot is not None:
         args.plot = _check_output_path(args.plot, "--plot")
         if not matplotlib_available():
@@ -320,8 +322,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         progress.close()
 
-    if args.sweep is not None:
-        _warn_unused_rollback(args.sweep.partition(".")[0], results)
+    if swept is not None:
+        _warn_unused_rollback(swept, results)
     table = format_table(results, baseline=args.baseline)
     if args.json:
         _print_json([r.record() for r in results])

@@ -8,11 +8,13 @@ bench reports what that commit cost, per strategy, next to the identity check.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from specdec.cli import main
+from specdec.testing import tiny_model_args
 
 DATA = Path(__file__).parent / "data"
 STRATEGIES = ("capture", "tape", "rerun")
@@ -62,17 +64,7 @@ def test_bench_reports_commit_cost_per_strategy(capsys, tmp_path, config):
 
 def test_sweeping_a_rollback_the_model_does_not_use_is_flagged(capsys, tmp_path):
     """An attention-only model has no GDN cache: the swept strategies change nothing."""
-    config = dict(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=256,
-        rope_theta=10000.0,
-    )
+    config = dataclasses.asdict(tiny_model_args("llama", vocab_size=256))
     (tmp_path / "config.json").write_text(json.dumps(config))
     rc = main(
         [
