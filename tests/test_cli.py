@@ -220,14 +220,14 @@ def test_plugins_allow_list_empty(capsys, monkeypatch):
 
 def test_plugins_failures_are_shown(capsys, monkeypatch):
     fake = {
-        "core_version": "0.1.0",
+        "core_version": "0.2.0",
         "plugins": [],
         "failures": [
             {
                 "entry_point": "broken",
                 "distribution": "specdec-plugin-broken",
                 "version": "9.9",
-                "core_version": "0.1.0",
+                "core_version": "0.2.0",
                 "error": "ImportError: no module named nope",
             }
         ],

@@ -58,7 +58,7 @@ from .roles import (
 from .sampling import Sampler, validate_request
 from .stats import Stats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Acceptance",

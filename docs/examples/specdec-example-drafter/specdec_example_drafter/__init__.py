@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import specdec
 from specdec import BaseDrafter, Draft, RequestContext
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 class RepeatDrafter(BaseDrafter):

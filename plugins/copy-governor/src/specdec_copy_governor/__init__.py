@@ -12,6 +12,6 @@ from __future__ import annotations
 
 from .governor import DEFAULTS, CopyGovernor, DrafterState, create_copy_governor
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["DEFAULTS", "CopyGovernor", "DrafterState", "create_copy_governor"]

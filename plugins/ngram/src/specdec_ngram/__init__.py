@@ -15,6 +15,6 @@ from __future__ import annotations
 from .drafter import DEFAULTS, NgramCopyDrafter, create_ngram_copy
 from .index import NgramIndex, NgramMatch
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["DEFAULTS", "NgramCopyDrafter", "NgramIndex", "NgramMatch", "create_ngram_copy"]

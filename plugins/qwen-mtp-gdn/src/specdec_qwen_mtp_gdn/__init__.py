@@ -30,7 +30,7 @@ from .rollback import (
 )
 from .tiny import HYBRID_ARCHITECTURES, make_tiny_hybrid, tiny_hybrid_config
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "HYBRID_ARCHITECTURES",
