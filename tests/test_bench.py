@@ -12,6 +12,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
+import attrs
 import pytest
 import specdec
 from core_support import tiny_config, write_random_llama
@@ -23,6 +24,7 @@ from specdec.bench import (
     load_workloads,
     parse_sweep,
     run_bench,
+    spec_baseline_table,
     sweep_policies,
     total_steps,
     workload_names,
@@ -364,6 +366,123 @@ def test_run_bench_several_policies_share_the_off_runs(loaded):
         run_bench(model, tok, get_workloads(["prose"]), policies=[])
 
 
+def _draft_policy(model, name="dm", **opts):
+    """The target as its own draft model (the fair pair when no smaller model exists)."""
+    return specdec.Policy(name=name, drafters=("draft_model",)).with_options(
+        "draft_model", model=model, **opts
+    )
+
+
+def test_run_bench_compares_draft_model_with_mlx_lm_speculative(loaded):
+    model, tok = loaded
+    order = []
+    buf = io.StringIO()
+    prog = Progress(total_steps(1, 2, 2, baseline=True), buf)
+    res = run_bench(
+        model,
+        tok,
+        get_workloads(["prose"]),
+        policy=_draft_policy(model, num_draft_tokens=3),
+        runs=2,
+        temps=(0.0, 1.0),
+        max_tokens=10,
+        baseline="mlx-lm",
+        progress=prog,
+        on_run=lambda kind, w, temp, i: order.append((kind, temp, i)),
+    )
+    prog.close()
+    kinds = ("off", "mlx-lm", "mlx-lm-spec", "on")
+    sampled = ("off", "mlx-lm", "on")  # mlx-lm's speculative runs are greedy only
+    assert order == (
+        [(k, 0.0, -1) for k in kinds]
+        + [(k, 0.0, i) for i in range(2) for k in kinds]
+        + [(k, 1.0, i) for i in range(2) for k in sampled]
+    )
+    assert prog.done == prog.total == len(order)  # the bench counts its extra runs
+    greedy, hot = res
+    assert len(greedy.spec_baseline) == 2 and hot.spec_baseline == []
+    r = greedy.record()
+    assert list(r) == list(RECORD_FIELDS)
+    assert r["spec_baseline_tps"] > 0 and r["on_vs_spec_baseline"] > 0
+    # the same model pair, prompt and draft length, greedy: the same tokens
+    assert r["spec_baseline_identical"] is True and r["identical"] is True
+    d = greedy.details()
+    assert d["spec_baseline"] == "mlx-lm speculative_generate_step"
+    assert d["spec_baseline_draft_tokens"] == 3
+    assert d["spec_baseline_acceptance"] == 1.0  # a model drafting for itself
+    assert len(d["runs"]["spec_baseline"]) == 2
+    assert d["runs"]["spec_baseline"][0]["kind"] == "mlx-lm-spec"
+    assert d["runs"]["spec_baseline"][0]["generation_tokens"] == 10
+    h = hot.record()
+    assert (h["spec_baseline_tps"], h["on_vs_spec_baseline"], h["spec_baseline_identical"]) == (
+        None,
+        None,
+        None,
+    )
+    table = spec_baseline_table(res)
+    assert "| on / mlx-lm spec | same tokens |" in table
+    assert "| prose | 0 | dm | 3 |" in table and "| prose | 1 |" not in table
+
+
+@pytest.mark.parametrize(
+    "opts, max_block, expected",
+    [({}, 16, 4), ({"num_draft_tokens": 3}, 16, 3), ({}, 2, 2), ({"num_draft_tokens": 5}, 3, 3)],
+)
+def test_spec_baseline_drafts_as_many_tokens_as_the_drafter(loaded, opts, max_block, expected):
+    """The drafter's ``num_draft_tokens`` (default 4), capped by the policy's max_block."""
+    model, tok = loaded
+    pol = attrs.evolve(_draft_policy(model, **opts), max_block=max_block)
+    (r,) = run_bench(
+        model, tok, get_workloads(["prose"]), policy=pol, runs=1, max_tokens=4, baseline="mlx-lm"
+    )
+    assert r.spec_draft_tokens == expected
+    assert r.record()["spec_baseline_identical"] is True
+
+
+def test_spec_baseline_only_with_the_mlx_lm_baseline_and_a_draft_model(loaded):
+    model, tok = loaded
+    order = []
+    for kwargs in (dict(policy=_draft_policy(model)), dict(policy="copy", baseline="mlx-lm")):
+        (r,) = run_bench(
+            model,
+            tok,
+            get_workloads(["prose"]),
+            runs=1,
+            max_tokens=3,
+            warmup=False,
+            on_run=lambda kind, w, temp, i: order.append(kind),
+            **kwargs,
+        )
+        assert r.spec_baseline == [] and r.record()["on_vs_spec_baseline"] is None
+    assert "mlx-lm-spec" not in order
+    assert spec_baseline_table([r]) == ""
+
+
+def test_spec_baseline_is_shared_by_policies_with_the_same_pair(loaded):
+    model, tok = loaded
+    order = []
+    pols = [
+        _draft_policy(model, "a", num_draft_tokens=2),
+        _draft_policy(model, "b", num_draft_tokens=2),
+        _draft_policy(model, "c", num_draft_tokens=3),
+    ]
+    res = run_bench(
+        model,
+        tok,
+        get_workloads(["prose"]),
+        policies=pols,
+        runs=1,
+        max_tokens=4,
+        baseline="mlx-lm",
+        warmup=False,
+        on_run=lambda kind, w, temp, i: order.append(kind),
+    )
+    assert order == ["off", "mlx-lm", "mlx-lm-spec:a", "on:a", "on:b", "mlx-lm-spec:c", "on:c"]
+    a, b, c = res
+    assert a.spec_baseline is b.spec_baseline and len(a.spec_baseline) == 1
+    assert [r.spec_draft_tokens for r in res] == [2, 2, 3]
+
+
 def test_progress_redraws_one_line_on_a_terminal():
     class Tty(io.StringIO):
         def isatty(self):
@@ -457,6 +576,34 @@ def test_cli_baseline_details_and_plot(capsys, byte_model, tmp_path):
     assert 0.0 <= r["faithfulness"] <= 1.0
     assert len(r["runs"]["off"]) == len(r["runs"]["on"]) == len(r["runs"]["baseline"]) == 1
     assert "text" in r["runs"]["off"][0] and "tokens" in r["runs"]["on"][0]
+
+
+def test_cli_draft_model_policy_against_mlx_lm_speculative(capsys, byte_model, tmp_path):
+    toml = tmp_path / "draft.toml"
+    toml.write_text(
+        f'drafters = ["draft_model"]\n\n[options.draft_model]\nmodel = "{byte_model}"\n'
+        "num_draft_tokens = 3\n"
+    )
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--model",
+        str(byte_model),
+        *FAST,
+        "-w",
+        "prose",
+        "--policy",
+        str(toml),
+        "--baseline",
+        "mlx-lm",
+        "--json",
+        "--no-progress",
+    )
+    assert rc == 0, err
+    (r,) = json.loads(out)
+    assert list(r) == list(RECORD_FIELDS)
+    assert r["spec_baseline_tps"] > 0 and r["on_vs_spec_baseline"] > 0
+    assert r["spec_baseline_identical"] is True
 
 
 def test_cli_plot_needs_matplotlib(capsys, no_model_loading, byte_model, tmp_path, monkeypatch):

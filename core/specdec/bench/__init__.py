@@ -20,6 +20,7 @@ from .runner import (
     WorkloadResult,
     parse_sweep,
     run_bench,
+    spec_baseline_table,
     sweep_policies,
     total_steps,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "load_workloads",
     "parse_sweep",
     "run_bench",
+    "spec_baseline_table",
     "sweep_policies",
     "total_steps",
     "workload_names",
