@@ -109,12 +109,18 @@ class EchoDrafter(BaseDrafter):
     def __init__(self, label: str = ""):
         self.label = label
 
+    def session(self, ctx):
+        return EchoSession()
+
+
+class EchoSession(specdec.BaseDrafterSession):
     def propose(self, history, max_len):
         return Draft(tokens=list(history[-max_len:])) if history else None
 
 
 class PlainVerifier:
     name = "plain"
+    provides = frozenset({"logits"})
 
     def __init__(self, label: str = ""):
         self.label = label
@@ -160,8 +166,30 @@ class HalfGovernor(BaseGovernor):
     def __init__(self, label: str = ""):
         self.label = label
 
+    def session(self, ctx):
+        return HalfSession()
+
+
+class HalfSession(specdec.BaseGovernorSession):
     def budget(self, drafter, max_len):
         return max_len // 2
+
+
+class ExactishHead:
+    name = "exactish"
+    vocab_size = 64
+
+    def __init__(self, label: str = ""):
+        self.label = label
+
+    def bind(self, model):
+        pass
+
+    def logits(self, hidden):
+        return hidden
+
+    def stats(self):
+        return {}
 
 
 # -- one test per hook ----------------------------------------------------------
@@ -174,7 +202,9 @@ def test_hook_specdec_register_drafters():
             register("t_drafter", EchoDrafter, description="test t_drafter")
 
     drafter = assert_registered(host_with(Plugin()), "drafter", "t_drafter", Drafter)
-    assert drafter.propose([1, 2, 3], 2).tokens == (2, 3)
+    session = drafter.session(None)
+    assert isinstance(session, specdec.DrafterSession)
+    assert session.propose([1, 2, 3], 2).tokens == (2, 3)
 
 
 def test_hook_specdec_register_verifiers():
@@ -212,7 +242,19 @@ def test_hook_specdec_register_governors():
             register("t_governor", HalfGovernor, description="test t_governor")
 
     governor = assert_registered(host_with(Plugin()), "governor", "t_governor", Governor)
-    assert governor.budget("any", 8) == 4
+    session = governor.session(None)
+    assert isinstance(session, specdec.GovernorSession)
+    assert session.budget("any", 8) == 4
+
+
+def test_hook_specdec_register_draft_heads():
+    class Plugin:
+        @specdec.hookimpl
+        def specdec_register_draft_heads(self, register):
+            register("t_head", ExactishHead, description="test t_head")
+
+    head = assert_registered(host_with(Plugin()), "draft_head", "t_head", specdec.DraftHead)
+    assert head.vocab_size == 64
 
 
 def test_every_hook_has_a_role():
@@ -223,6 +265,7 @@ def test_every_hook_has_a_role():
         "specdec_register_acceptors",
         "specdec_register_cache_rollbacks",
         "specdec_register_governors",
+        "specdec_register_draft_heads",
     }
 
 

@@ -28,6 +28,7 @@ if _blas_status.action == "too_late":
         stacklevel=2,
     )
 
+from .capture import ModelTaps, TapError, model_taps
 from .errors import (
     ModelLoadError,
     PluginConflictError,
@@ -36,41 +37,77 @@ from .errors import (
     SpecdecError,
     UnknownComponentError,
 )
+from .heads import ExactHead, model_vocab_size
 from .hookspecs import hookimpl
+from .kvview import KVView, kv_view, kv_views
 from .pipeline import GenerationResult, Pipeline, StreamResponse, assemble
 from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host
 from .policy import PRESETS, Policy, load_policy
 from .roles import (
+    CAPABILITIES,
+    ROLES,
     Acceptance,
     Acceptor,
     BaseDrafter,
+    BaseDrafterSession,
     BaseGovernor,
+    BaseGovernorSession,
     CacheRollback,
     Draft,
     Drafter,
+    DrafterSession,
+    DraftHead,
     Governor,
+    GovernorSession,
     LayerTransaction,
+    PrefillChunk,
     RequestContext,
     RoundResult,
     Verifier,
     VerifyResult,
 )
+from .rollback import (
+    KVTrimRollback,
+    RollbackPlan,
+    RollbackUnavailable,
+    RotatingWindowRollback,
+    rollback_plan,
+)
 from .sampling import Sampler, validate_request
 from .stats import Stats
+from .verifiers import HiddenStateVerifier, LogitsVerifier
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "CAPABILITIES",
+    "ROLES",
     "Acceptance",
     "Acceptor",
     "BaseDrafter",
+    "BaseDrafterSession",
     "BaseGovernor",
+    "BaseGovernorSession",
     "CacheRollback",
     "Draft",
+    "DraftHead",
     "Drafter",
+    "DrafterSession",
+    "ExactHead",
     "GenerationResult",
     "Governor",
+    "GovernorSession",
+    "HiddenStateVerifier",
+    "KVTrimRollback",
+    "KVView",
     "LayerTransaction",
+    "LogitsVerifier",
+    "ModelTaps",
+    "PrefillChunk",
+    "RollbackPlan",
+    "RollbackUnavailable",
+    "RotatingWindowRollback",
+    "TapError",
     "ModelLoadError",
     "PRESETS",
     "Pipeline",
@@ -91,7 +128,12 @@ __all__ = [
     "get_plugin_host",
     "get_plugin_manager",
     "hookimpl",
+    "kv_view",
+    "kv_views",
     "load_policy",
+    "model_taps",
+    "model_vocab_size",
     "reset_plugin_host",
+    "rollback_plan",
     "validate_request",
 ]

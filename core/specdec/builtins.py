@@ -63,5 +63,17 @@ def specdec_register_cache_rollbacks(register):
 
 
 @hookimpl
+def specdec_register_draft_heads(register):
+    """Register ``exact``."""
+    from .heads import ExactHead
+
+    register(
+        "exact",
+        ExactHead,
+        description="the target's own output layer, through the model's own output path",
+    )
+
+
+@hookimpl
 def specdec_register_governors(register):
     """No built-in governor (``copy_governor`` is a plugin); the hook is implemented for symmetry."""

@@ -7,9 +7,10 @@ Each hook receives a ``register`` callback. Call it once per component::
 ``factory(**options)`` is called with the options the policy gives for
 ``name`` and returns the component: drafters, governors, verifiers and
 acceptors once per pipeline (at :func:`specdec.assemble`, so bad names and
-options fail before any model work; their ``begin``/``end`` bracket each
-request), cache rollbacks once per request. Hooks run when plugins are
-loaded; none is called inside the per-token loop.
+options fail before any model work; drafters and governors then make a
+session per request), cache rollbacks once per request, draft heads once per
+(model, options) and shared by the drafters that name them. Hooks run when
+plugins are loaded; none is called inside the per-token loop.
 """
 
 from __future__ import annotations
@@ -45,3 +46,8 @@ def specdec_register_cache_rollbacks(register):
 @hookspec
 def specdec_register_governors(register):
     """Register Governor factories: ``register(name, factory, description=...)``."""
+
+
+@hookspec
+def specdec_register_draft_heads(register):
+    """Register DraftHead factories: ``register(name, factory, description=...)``."""

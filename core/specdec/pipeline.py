@@ -19,10 +19,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptors import auto_acceptor
-from .errors import ModelLoadError, PolicyError, RequestError
+from .errors import ModelLoadError, PolicyError, RequestError, UnknownComponentError
 from .plugins import PluginHost, get_plugin_host
 from .policy import AUTO, Policy, load_policy
-from .roles import RequestContext, RoundResult
+from .roles import CAPABILITIES, PrefillChunk, RequestContext, RoundResult
 from .rollback import RollbackPlan, build_plan
 from .sampling import Sampler, validate_request
 from .stats import Stats
@@ -110,6 +110,29 @@ class _Row:
     n_out: int = 0
     text: str = ""
     pending: str = ""
+    #: ``[(drafter name, session)]`` in policy order (empty: plain decoding).
+    sessions: list = attrs.field(factory=list)
+    governor: Any = None
+    #: the history as an ``mx.array`` (kept only when logits processors need it).
+    hist_arr: Any = None
+
+
+@attrs.define
+class _Round:
+    """One round in flight: what was fed, the lazy verify result, the open transaction."""
+
+    position: int
+    block: Any = ()
+    q: Any = None
+    chosen: str | None = None
+    proposals: dict = attrs.field(factory=dict)
+    acceptor: str | None = None
+    txn: Any = None
+    vr: Any = None
+    logits: Any = None
+    lazy_token: Any = None
+    n_fed: int = 1
+    t_launch: float = 0.0
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -117,11 +140,59 @@ def _vocab_size(model: Any) -> int | None:
     return int(v) if v is not None else None
 
 
+def _provides(host: PluginHost, name: str, options: dict) -> frozenset:
+    """What verifier ``name`` provides: its class attribute, else an instance's."""
+    info = host.get("verifier", name)
+    p = getattr(info.factory, "provides", None)
+    if p is None:
+        p = getattr(host.create("verifier", name, options), "provides", None)
+    return frozenset(p or ("logits",))
+
+
+def _check_needs(host: PluginHost, policy: Policy, drafter: str, needs: Any) -> None:
+    """Raise a PolicyError when the policy's verifier lacks something ``drafter`` needs."""
+    if not needs:
+        return
+    unknown = sorted(set(needs) - set(CAPABILITIES))
+    if unknown:
+        raise PolicyError(
+            f"drafter {drafter!r} needs {unknown}, which is no verifier capability; "
+            f"capabilities are {list(CAPABILITIES)}"
+        )
+    have = _provides(host, policy.verifier, policy.options_for(policy.verifier))
+    missing = sorted(set(needs) - have)
+    if not missing:
+        return
+    need = missing[0]
+    offer = []
+    for v in host.names("verifier"):
+        try:
+            if need in _provides(host, v, policy.options_for(v)):
+                offer.append(v)
+        except Exception:  # a verifier that cannot be built with defaults offers nothing
+            continue
+    hint = (
+        f"installed verifiers that provide it: {', '.join(offer)}; set verifier = "
+        f"'{offer[0]}' in the policy"
+        if offer
+        else "no installed verifier provides it"
+    )
+    raise PolicyError(
+        f"drafter {drafter!r} needs {need!r}, which verifier {policy.verifier!r} does not "
+        f"provide (it provides {', '.join(sorted(have))}); {hint}"
+    )
+
+
+def _is_lazy(block: Any) -> bool:
+    return not isinstance(block, tuple)
+
+
 class Pipeline:
     """A target model plus the components a policy names.
 
     Build it with :func:`assemble`. Components are created once here (so bad
-    names and options fail before any model work) and reset per request.
+    names and options fail before any model work); each request gets fresh
+    drafter and governor sessions.
     """
 
     def __init__(
@@ -136,20 +207,42 @@ class Pipeline:
         for d in self.drafters:
             if not getattr(d, "name", None):
                 raise PolicyError(f"drafter {d!r} has no name attribute")
-            if "hidden" in getattr(d, "needs", ()) and policy.verifier == "logits":
+            if not callable(getattr(d, "session", None)):
+                info = h.get("drafter", d.name)
                 raise PolicyError(
-                    f"drafter {d.name!r} needs the target's hidden states: set verifier = 'hidden' "
-                    "(or another verifier that returns them) in the policy"
+                    f"drafter {d.name!r} ({info.distribution} {info.version}) has no "
+                    "session(ctx) method: specdec-core 0.2 keeps per-request state in a "
+                    "session the drafter makes per request (see docs/writing-plugins.md)"
                 )
-            attach = getattr(d, "attach", None)
-            if attach is not None:
-                attach(model, tokenizer)
+            _check_needs(h, policy, d.name, getattr(d, "needs", ()))
         self.governor = (
             h.create("governor", policy.governor, policy.options_for(policy.governor))
             if policy.governor
             else None
         )
+        if self.governor is not None and not callable(getattr(self.governor, "session", None)):
+            raise PolicyError(
+                f"governor {policy.governor!r} has no session(ctx) method: specdec-core 0.2 "
+                "keeps per-request state in a session the governor makes per request"
+            )
         self.verifier = h.create("verifier", policy.verifier, policy.options_for(policy.verifier))
+        if "logits" not in getattr(self.verifier, "provides", frozenset({"logits"})):
+            raise PolicyError(f"verifier {policy.verifier!r} does not provide logits")
+        layers = [i for d in self.drafters for i in getattr(d, "hidden_layers", ())]
+        bind = getattr(self.verifier, "bind", None)
+        if bind is not None:
+            bind(model, layers=tuple(layers))
+        elif layers:
+            raise PolicyError(
+                f"drafters ask for decoder layers {layers} but verifier {policy.verifier!r} "
+                "cannot be told which layers to capture (it has no bind(model, layers=...))"
+            )
+        #: draft heads by drafter name (shared: built once per (model, head, options)).
+        self.heads: dict[str, Any] = {}
+        for d in self.drafters:
+            head_name = getattr(d, "head", None)
+            if head_name:
+                self.heads[d.name] = self._head(d.name, head_name)
         self._acceptors: dict[str, Any] = {}
         if policy.acceptor != AUTO:
             self._acceptors[policy.acceptor] = h.create(
@@ -160,6 +253,24 @@ class Pipeline:
                 self._acceptors[n] = h.create("acceptor", n)
         if policy.rollback != AUTO:
             h.get("cache_rollback", policy.rollback)
+        for d in self.drafters:
+            attach = getattr(d, "attach", None)
+            if attach is not None:
+                attach(model, tokenizer)
+
+    def _head(self, drafter: str, name: str) -> Any:
+        try:
+            self.host.get("draft_head", name)
+        except UnknownComponentError as exc:
+            raise PolicyError(f"drafter {drafter!r}: option head: {exc}") from exc
+        head = self.host.draft_head(name, self.policy.options_for(name), self.model)
+        tv, hv = _vocab_size(self.model), getattr(head, "vocab_size", None)
+        if tv is not None and hv is not None and int(hv) != tv:
+            raise ModelLoadError(
+                f"draft head {name!r} (for drafter {drafter!r}) scores a vocabulary of {hv} "
+                f"tokens but the target's has {tv}: a draft head must cover the target's vocabulary"
+            )
+        return head
 
     # -- prompts -------------------------------------------------------------------
 
@@ -260,7 +371,11 @@ class Pipeline:
             repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty,
                 logit_bias: as mlx-lm's ``make_logits_processors``.
             prefill_step_size: prompt tokens per prefill forward.
-            on_round: debug hook called after each round with ``(RoundResult, caches)``.
+            on_round: debug hook called after each round (plain or speculative: the same
+                loop) with ``(RoundResult, caches)``, the caches committed and holding
+                every committed token but the last. Plain decoding queues its next
+                forward before reading a token back; with ``on_round`` it queues it
+                after the hook, so the hook never sees the next round's entries.
 
         Yields:
             :class:`StreamResponse` per committed token; the last has ``finish_reason`` and final ``stats``.
@@ -280,6 +395,14 @@ class Pipeline:
             isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)
         ):
             raise RequestError(f"stop must be a list of non-empty strings, got {stop!r}")
+        if (
+            prefill_step_size is None
+            or isinstance(prefill_step_size, bool)
+            or not (isinstance(prefill_step_size, int) and prefill_step_size >= 1)
+        ):
+            raise RequestError(
+                f"prefill_step_size must be an integer >= 1, got {prefill_step_size!r}"
+            )
         ids = self._prompt_ids(prompt)
         sampler = Sampler(
             temperature=float(temperature),
@@ -289,6 +412,12 @@ class Pipeline:
             min_tokens_to_keep=min_tokens_to_keep,
             seed=seed,
         )
+        if self.policy.acceptor == "greedy" and not sampler.is_greedy:
+            raise RequestError(
+                f"policy {self.policy.name!r} names acceptor 'greedy', which is only exact with "
+                f"temperature 0 (got temperature={temperature}); use acceptor 'auto', "
+                "'point_mass' or 'rejection' for sampling"
+            )
         processors = list(logits_processors or []) + make_logits_processors(
             logit_bias,
             repetition_penalty,
@@ -334,166 +463,226 @@ class Pipeline:
         detok.reset()
 
         mx.reset_peak_memory()
-        t0 = time.perf_counter()
-        prompt = row.history
-        for start in range(0, len(prompt) - 1, prefill_step_size):
-            chunk = prompt[start : min(start + prefill_step_size, len(prompt) - 1)]
-            self.model(mx.array(chunk)[None], cache=caches)
-            mx.eval([c.state for c in caches])
-        t1 = time.perf_counter()
-        stats.prompt_time_s = t1 - t0
-
         ctx_common = dict(
             model=self.model,
             tokenizer=self.tokenizer,
-            prompt_tokens=list(prompt),
+            prompt_tokens=list(row.history),
             max_tokens=row.max_tokens,
             sampler=row.sampler,
             caches=caches,
             host=self.host,
+            verifier=self.verifier,
+            plan=plan,
         )
-        begun: list = []
         try:
             for d in drafters:
-                d.begin(RequestContext(**ctx_common, options=policy.options_for(d.name)))
-                begun.append(d)
-            if self.governor is not None and hasattr(self.governor, "begin"):
-                self.governor.begin(
+                ctx = RequestContext(
+                    **ctx_common, options=policy.options_for(d.name), head=self.heads.get(d.name)
+                )
+                row.sessions.append((d.name, d.session(ctx)))
+                stats.per_drafter[d.name] = {"rounds": 0, "drafted": 0, "accepted": 0}
+            if self.governor is not None and drafters:
+                row.governor = self.governor.session(
                     RequestContext(**ctx_common, options=policy.options_for(policy.governor))
                 )
-            for d in drafters:
-                stats.per_drafter[d.name] = {"rounds": 0, "drafted": 0, "accepted": 0}
-            if not drafters and on_round is None:
-                yield from self._plain_rounds(row, detok)
-            else:
-                yield from self._rounds(row, drafters, plan, detok, on_round)
+            t0 = time.perf_counter()
+            self._prefill(row, prefill_step_size)
+            stats.prompt_time_s = time.perf_counter() - t0
+            yield from self._decode(row, plan, detok, on_round)
         finally:
-            for d in begun:
+            for _, s in row.sessions:
                 try:
-                    d.end()
+                    s.end()
                 except Exception:  # ending must not mask the real error
                     pass
+            end = getattr(row.governor, "end", None)
+            if end is not None:
+                try:
+                    end()
+                except Exception:
+                    pass
 
-    def _rounds(
-        self, row: _Row, drafters: list, plan: RollbackPlan, detok: Any, on_round
+    def _prefill(self, row: _Row, step: int) -> None:
+        """Feed the prompt but its last token through the verifier, in chunks of ``step``;
+        sessions with a ``prefill`` method see every chunk's result (hidden states too)."""
+        prompt, caches = row.history, row.caches
+        listeners = [s.prefill for _, s in row.sessions if callable(getattr(s, "prefill", None))]
+        for start in range(0, len(prompt) - 1, step):
+            chunk = prompt[start : min(start + step, len(prompt) - 1)]
+            vr = self.verifier.verify(self.model, mx.array(chunk), caches)
+            if listeners:
+                record = PrefillChunk(tokens=tuple(chunk), start_position=start, result=vr)
+                for listen in listeners:
+                    listen(record)
+            # The chunk's logits are never read: only the caches are evaluated.
+            mx.eval([c.state for c in caches])
+
+    # -- the loop -------------------------------------------------------------------
+
+    def _decode(
+        self, row: _Row, plan: RollbackPlan, detok: Any, on_round: Callable | None
     ) -> Iterator[StreamResponse]:
-        policy, stats, caches, sampler = self.policy, row.stats, row.caches, row.sampler
+        """Rounds until the stream ends: plan a block, verify, accept, commit, observe, emit.
+
+        With no drafter sessions every round is a plain step, pipelined as in
+        mlx-lm: the next round's forward is queued on the lazily sampled token
+        before this round's token is read back (after ``on_round`` when one is given).
+        """
+        stats = row.stats
+        plain = not row.sessions
         t_start = time.perf_counter()
+        queued: _Round | None = None
         while True:
-            remaining = row.max_tokens - row.n_out
-            limit = min(policy.max_block, remaining - 1)
-            block: tuple = ()
-            q = None
-            chosen = None
-            if drafters and limit >= policy.min_block:
-                for d in drafters:
-                    budget = self.governor.budget(d.name, limit) if self.governor else limit
-                    budget = min(budget, limit)
-                    if budget < policy.min_block:
-                        continue
-                    draft = d.propose(row.history, budget)
-                    if draft is None or len(draft.tokens) < policy.min_block:
-                        continue
-                    block = draft.tokens[:budget]
-                    q = None if draft.probs is None else draft.probs[: len(block)]
-                    chosen = d
-                    break
-            inputs = [row.history[-1], *block]
-            positions = list(range(len(row.history), len(row.history) + len(inputs)))
-            if policy.acceptor == AUTO:
-                acc_name = auto_acceptor(sampler, q is not None)
-            else:
-                acc_name = policy.acceptor
-                if acc_name == "greedy" and not sampler.is_greedy:
-                    raise RequestError(
-                        "acceptor 'greedy' is only exact with temperature 0; use acceptor 'auto', "
-                        "'point_mass' or 'rejection' for sampling"
-                    )
-            acceptor = self._acceptors[acc_name]
-            t_verify = time.perf_counter()
-            txn = plan.begin()
-            try:
-                vr = self.verifier.verify(self.model, mx.array(inputs), caches)
-                logits = self._process(vr.logits, row.history, block, row.processors)
-                acc = acceptor.accept(block, q, logits, sampler, positions)  # reads logits back
-                n_acc = int(acc.n_accepted)
-                if not 0 <= n_acc <= len(block):
-                    raise RuntimeError(
-                        f"acceptor {acc_name!r} accepted {n_acc} of a {len(block)}-token block"
-                    )
-                t_commit = time.perf_counter()
-                txn.commit(len(inputs), n_acc + 1)
-                mx.eval([c.state for c in caches])
-            except BaseException:
-                txn.abort()
-                raise
-            t_done = time.perf_counter()
-            if block:  # a round with nothing drafted has nothing to roll back
-                stats.verify_time_s += t_commit - t_verify
-                stats.commit_time_s += t_done - t_commit
+            rnd = queued if queued is not None else self._start_round(row, plan, None)
+            queued = None
+            lookahead = plain and on_round is None and row.n_out + 1 < row.max_tokens
+            if lookahead:
+                queued = self._start_round(row, plan, rnd)
+            result = self._finish_round(row, rnd)
             stats.target_forwards += 1
-            stats.acceptors[acc_name] = stats.acceptors.get(acc_name, 0) + 1
-            if chosen is not None:
-                stats.drafted += len(block)
-                stats.accepted += n_acc
-                stats.rounds_with_draft += 1
-                pd = stats.per_drafter[chosen.name]
-                pd["rounds"] += 1
-                pd["drafted"] += len(block)
-                pd["accepted"] += n_acc
-                if self.governor is not None:
-                    self.governor.observe(chosen.name, len(block), n_acc)
-            new = [*block[:n_acc], int(acc.token)]
-            result = RoundResult(
-                drafter=chosen.name if chosen else None,
-                block=tuple(block),
-                n_accepted=n_acc,
-                token=int(acc.token),
-                committed=tuple(new),
-                verify=vr,
-                start_position=len(row.history),
-            )
-            pos = len(row.history)
-            row.history.extend(new)
-            for d in drafters:
-                d.observe(result)
-            if self.governor is not None and hasattr(self.governor, "observe_round"):
-                self.governor.observe_round(result)
+            pos = result.start_position
+            row.history.extend(result.committed)
+            for _, s in row.sessions:
+                s.observe(result)
+            if row.governor is not None:
+                if result.drafter is not None:
+                    row.governor.observe(result.drafter, len(result.block), result.n_accepted)
+                row.governor.observe_round(result)
             if on_round is not None:
-                on_round(result, caches)
-            if (yield from self._emit(row, new, n_acc, pos, detok, t_start)):
+                on_round(result, row.caches)
+            if (
+                yield from self._emit(
+                    row, list(result.committed), result.n_accepted, pos, detok, t_start
+                )
+            ):
                 return
 
-    def _plain_rounds(self, row: _Row, detok: Any) -> Iterator[StreamResponse]:
-        """Plain decoding, pipelined like mlx-lm: the next forward is queued before the
-        current token is read back, so graph building overlaps computation."""
-        stats, caches, sampler = row.stats, row.caches, row.sampler
-        t_start = time.perf_counter()
-        hist = mx.array(row.history) if row.processors else None
+    def _start_round(self, row: _Row, plan: RollbackPlan, after: _Round | None) -> _Round:
+        """Choose a block, open the transaction and queue the verify forward (no host sync).
 
-        def step(tok: mx.array, position: int) -> mx.array:
-            logits = self.verifier.verify(self.model, tok, caches).logits
+        ``after``: a plain round whose token is not read back yet; this round follows it
+        (fed its lazy token).
+        """
+        policy, sampler = self.policy, row.sampler
+        if not row.sessions:  # a plain step, sampled lazily
+            position = len(row.history) + (1 if after is not None else 0)
+            tok = after.lazy_token if after is not None else mx.array(row.history[-1:])
+            logits = self.verifier.verify(self.model, tok, row.caches).logits
             if row.processors:
+                if after is None:
+                    row.hist_arr = mx.array(row.history)
+                else:
+                    row.hist_arr = mx.concatenate([row.hist_arr, after.lazy_token])
                 for p in row.processors:
-                    logits = p(hist, logits)
-            return sampler.sample_lazy(logits, position)
+                    logits = p(row.hist_arr, logits)
+            y = sampler.sample_lazy(logits[-1:], position)
+            mx.async_eval(y)
+            return _Round(position=position, lazy_token=y, t_launch=time.perf_counter())
+        rnd = _Round(position=len(row.history))
+        remaining = row.max_tokens - row.n_out
+        limit = min(policy.max_block, remaining - 1)
+        if limit >= policy.min_block:
+            gov = row.governor
+            for name, s in row.sessions:
+                budget = min(gov.budget(name, limit), limit) if gov is not None else limit
+                if budget < policy.min_block:
+                    continue
+                draft = s.propose(row.history, budget)
+                if draft is None or draft.size < policy.min_block:
+                    continue
+                rnd.proposals[name] = draft.tokens
+                rnd.block = draft.tokens[:budget]
+                rnd.q = None if draft.probs is None else draft.probs[:budget]
+                rnd.chosen = name
+                break
+        if row.processors and _is_lazy(rnd.block):
+            rnd.block = tuple(rnd.block.tolist())  # processors read the block's history
+        if rnd.chosen is None:
+            inputs = mx.array(row.history[-1:])
+        elif _is_lazy(rnd.block):
+            inputs = mx.concatenate([mx.array(row.history[-1:]), rnd.block.astype(mx.int32)])
+        else:
+            inputs = mx.array([row.history[-1], *rnd.block])
+        rnd.n_fed = int(inputs.shape[0])
+        if policy.acceptor == AUTO:
+            rnd.acceptor = auto_acceptor(sampler, rnd.q is not None)
+        else:
+            rnd.acceptor = policy.acceptor
+        rnd.t_launch = time.perf_counter()
+        rnd.txn = plan.begin()
+        try:
+            rnd.vr = self.verifier.verify(self.model, inputs, row.caches)
+            rnd.logits = self._process(rnd.vr.logits, row.history, rnd.block, row.processors)
+            mx.async_eval(rnd.logits)
+        except BaseException:
+            rnd.txn.abort()
+            raise
+        return rnd
 
-        y = step(mx.array(row.history[-1:]), len(row.history))
-        mx.async_eval(y)
-        while True:
-            pos = len(row.history)
-            nxt = None
-            if row.n_out + 1 < row.max_tokens:
-                if row.processors:
-                    hist = mx.concatenate([hist, y])
-                nxt = step(y, pos + 1)
-                mx.async_eval(nxt)
-            tok = int(y.item())
-            stats.target_forwards += 1
-            row.history.append(tok)
-            if (yield from self._emit(row, [tok], 0, pos, detok, t_start)):
-                return
-            y = nxt
+    def _finish_round(self, row: _Row, rnd: _Round) -> RoundResult:
+        """Read the round back (the one host sync), accept, commit the caches."""
+        stats = row.stats
+        if rnd.lazy_token is not None:  # a plain step
+            t0 = time.perf_counter()
+            tok = int(rnd.lazy_token.item())
+            stats.wait_time_s += time.perf_counter() - t0
+            return RoundResult(
+                drafter=None,
+                block=(),
+                n_accepted=0,
+                token=tok,
+                committed=(tok,),
+                verify=None,
+                start_position=rnd.position,
+            )
+        acceptor = self._acceptors[rnd.acceptor]
+        try:
+            t0 = time.perf_counter()
+            if _is_lazy(rnd.block):
+                rnd.block = tuple(rnd.block.tolist())
+                if rnd.chosen is not None:
+                    rnd.proposals[rnd.chosen] = rnd.block
+            positions = range(rnd.position, rnd.position + rnd.n_fed)
+            acc = acceptor.accept(rnd.block, rnd.q, rnd.logits, row.sampler, positions)
+            t_commit = time.perf_counter()
+            stats.wait_time_s += t_commit - t0
+            n_acc = int(acc.n_accepted)
+            if not 0 <= n_acc <= len(rnd.block):
+                raise RuntimeError(
+                    f"acceptor {rnd.acceptor!r} accepted {n_acc} of a {len(rnd.block)}-token block"
+                )
+            rnd.txn.commit(rnd.n_fed, n_acc + 1)
+            # Settle the rolled-back caches on the device while the host goes on.
+            mx.async_eval([c.state for c in row.caches])
+        except BaseException:
+            rnd.txn.abort()
+            raise
+        t_done = time.perf_counter()
+        block = rnd.block
+        if block:  # a round with nothing drafted has nothing to roll back
+            stats.verify_time_s += t_commit - rnd.t_launch
+            stats.commit_time_s += t_done - t_commit
+        stats.acceptors[rnd.acceptor] = stats.acceptors.get(rnd.acceptor, 0) + 1
+        if rnd.chosen is not None:
+            stats.drafted += len(block)
+            stats.accepted += n_acc
+            stats.rounds_with_draft += 1
+            pd = stats.per_drafter[rnd.chosen]
+            pd["rounds"] += 1
+            pd["drafted"] += len(block)
+            pd["accepted"] += n_acc
+        return RoundResult(
+            drafter=rnd.chosen,
+            block=tuple(block),
+            n_accepted=n_acc,
+            token=int(acc.token),
+            committed=(*block[:n_acc], int(acc.token)),
+            verify=rnd.vr,
+            start_position=rnd.position,
+            proposals={
+                k: tuple(v.tolist()) if _is_lazy(v) else v for k, v in rnd.proposals.items()
+            },
+        )
 
     def _emit(
         self, row: _Row, new: list, n_acc: int, pos: int, detok: Any, t_start: float
@@ -561,12 +750,12 @@ class Pipeline:
         stats.generation_tokens = row.n_out
         stats.finish_reason = reason
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        if self.governor is not None:
-            stats.governor = dict(self.governor.stats())
-        for d in self.drafters:
-            extra = getattr(d, "stats", None)
-            if callable(extra) and d.name in stats.per_drafter:
-                stats.per_drafter[d.name].update(extra())
+        if row.governor is not None:
+            stats.governor = dict(row.governor.stats())
+        for name, s in row.sessions:
+            extra = getattr(s, "stats", None)
+            if callable(extra) and name in stats.per_drafter:
+                stats.per_drafter[name].update(extra())
         row.text += seg
         yield StreamResponse(
             text=seg,
@@ -625,7 +814,15 @@ def assemble(
         pol = pol.with_options("draft_model", model=draft_model)
     h = host or get_plugin_host()
     for n in pol.drafters:
-        h.get("drafter", n)
+        info = h.get("drafter", n)
+        # Checks that need no model: capabilities and a named draft head.
+        _check_needs(h, pol, n, getattr(info.factory, "needs", ()))
+        head = pol.options_for(n).get("head")
+        if isinstance(head, str):
+            try:
+                h.get("draft_head", head)
+            except UnknownComponentError as exc:
+                raise PolicyError(f"drafter {n!r}: option head: {exc}") from exc
     if pol.governor:
         h.get("governor", pol.governor)
     h.get("verifier", pol.verifier)

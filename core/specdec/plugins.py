@@ -13,9 +13,11 @@ Environment:
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,13 +33,12 @@ ENTRY_POINT_GROUP = "specdec"
 CORE_DISTRIBUTION = "specdec-core"
 
 #: Which distribution provides a component that is not installed, for error messages.
+#: Only distributions that exist (in this repository's ``plugins/``) and register
+#: that component are listed; a test checks it against the folders.
 KNOWN_PROVIDERS: dict[str, str] = {
     "ngram_copy": "specdec-plugin-ngram",
     "copy_governor": "specdec-plugin-copy-governor",
-    "qwen_mtp": "specdec-plugin-qwen-mtp-gdn",
     "gdn_transaction": "specdec-plugin-qwen-mtp-gdn",
-    "gemma4_mtp": "specdec-plugin-gemma4-mtp",
-    "coarse_head": "specdec-plugin-coarse-head",
 }
 
 _HOOK_BY_ROLE = {
@@ -46,6 +47,7 @@ _HOOK_BY_ROLE = {
     "acceptor": "specdec_register_acceptors",
     "cache_rollback": "specdec_register_cache_rollbacks",
     "governor": "specdec_register_governors",
+    "draft_head": "specdec_register_draft_heads",
 }
 
 
@@ -102,6 +104,9 @@ class PluginHost:
         self.failures: list[PluginFailure] = []
         self._dist_of: dict[str, PluginInfo] = {}
         self.components: dict[str, dict[str, ComponentInfo]] = {role: {} for role in ROLES}
+        # Built draft heads: id(model) -> (weak ref to the model, {(name, options): head}).
+        # (mlx modules are dicts, so not hashable: keyed by id, dropped with the model.)
+        self._heads: dict[int, tuple] = {}
         self._collected = False
         self.trace = os.environ.get("SPECDEC_TRACE_PLUGINS", "") not in ("", "0")
         if self.trace:
@@ -270,13 +275,51 @@ class PluginHost:
         from .errors import PolicyError
 
         info = self.get(role, name)
+        options = dict(options or {})
+        # Only a signature mismatch is "bad options"; a TypeError raised inside the
+        # factory is a bug in the component and propagates as it is.
         try:
-            return info.factory(**(options or {}))
-        except TypeError as exc:
-            raise PolicyError(
-                f"bad options for {role} {name!r} ({info.distribution}): {exc}; "
-                f"got {sorted((options or {}).keys())}"
-            ) from exc
+            sig = inspect.signature(info.factory)
+        except (TypeError, ValueError):  # builtins without a signature: call and see
+            sig = None
+        if sig is not None:
+            try:
+                sig.bind(**options)
+            except TypeError as exc:
+                params = [
+                    p.name
+                    for p in sig.parameters.values()
+                    if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                ]
+                raise PolicyError(
+                    f"bad options for {role} {name!r} ({info.distribution}): {exc}; "
+                    f"got {sorted(options)}, accepted options are {params}"
+                ) from exc
+        return info.factory(**options)
+
+    def draft_head(self, name: str, options: dict | None, model: Any) -> Any:
+        """The draft head ``name`` with ``options`` for ``model``: built and bound once,
+        then shared by every drafter (and pipeline) that names it.
+
+        Raises:
+            UnknownComponentError: ``name`` is not an installed draft head.
+            PolicyError: bad options.
+        """
+        key = (name, _freeze(options or {}))
+        entry = self._heads.get(id(model))
+        if entry is None or entry[0]() is not model:
+            key_id = id(model)
+            ref = weakref.ref(model, lambda _r, k=key_id, h=self._heads: h.pop(k, None))
+            entry = self._heads[key_id] = (ref, {})
+        per_model = entry[1]
+        head = per_model.get(key)
+        if head is None:
+            head = self.create("draft_head", name, options)
+            bind = getattr(head, "bind", None)
+            if bind is not None:
+                bind(model)
+            per_model[key] = head
+        return head
 
     def to_dict(self, *, include_builtins: bool = True) -> dict:
         """A JSON-able description of plugins, components and failures."""
@@ -301,6 +344,19 @@ class PluginHost:
             "plugins": plugins,
             "failures": [attrs.asdict(f) for f in self.failures],
         }
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable form of an options value (dicts and lists nested)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return id(value)
+    return value
 
 
 def _entry_points() -> list[Any]:

@@ -152,12 +152,12 @@ class Sampler:
         scaled = self.scaled_logits(logits)
         return self.sample_scaled(scaled, positions, stream)
 
-    def sample_lazy(self, logits: mx.array, position: int) -> mx.array:
+    def sample_lazy(self, logits: mx.array, position: int, stream: int = STREAM_TOKEN) -> mx.array:
         """Like :meth:`sample` for one row ``[1, V]``, returned as an unevaluated ``(1,)`` array."""
         if self.is_greedy:
             return mx.argmax(logits, axis=-1)
         scaled = self.scaled_logits(logits)
-        return mx.random.categorical(scaled[0], key=self.key(position, STREAM_TOKEN))[None]
+        return mx.random.categorical(scaled[0], key=self.key(position, stream))[None]
 
     def sample_scaled(
         self, scaled: mx.array, positions: Sequence[int], stream: int = STREAM_TOKEN

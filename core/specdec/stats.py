@@ -22,6 +22,9 @@ class Stats:
             time from the verify forward to the acceptance decision, and time to
             commit the caches (rollback) and settle them; rounds with nothing
             drafted and plain pipelined decoding add nothing to either.
+        wait_time_s: host time spent waiting for rounds' results (reading the verify
+            forward's outcome back), every round; the rest of ``decode_time_s`` is the
+            loop's own host work that did not overlap the device.
         peak_memory_gb: MLX peak memory during the request.
         per_drafter: ``{name: {"rounds", "drafted", "accepted", ...drafter stats}}``.
         speculation_off_reason: why speculation did not run, or ``None``.
@@ -43,6 +46,7 @@ class Stats:
     decode_time_s: float = 0.0
     verify_time_s: float = 0.0
     commit_time_s: float = 0.0
+    wait_time_s: float = 0.0
     peak_memory_gb: float = 0.0
     per_drafter: dict = attrs.field(factory=dict)
     speculation_off_reason: str | None = None
@@ -68,6 +72,13 @@ class Stats:
         return self.commit_time_s / self.verify_time_s if self.verify_time_s > 0 else 0.0
 
     @property
+    def loop_overhead_s(self) -> float:
+        """Host time per round outside waiting for the target: ``(decode - wait) / forwards``."""
+        if not self.target_forwards:
+            return 0.0
+        return max(0.0, self.decode_time_s - self.wait_time_s) / self.target_forwards
+
+    @property
     def prompt_tps(self) -> float:
         """Prompt tokens per second of prefill."""
         return self.prompt_tokens / self.prompt_time_s if self.prompt_time_s > 0 else 0.0
@@ -84,6 +95,7 @@ class Stats:
             tokens_per_forward=self.tokens_per_forward,
             acceptance_rate=self.acceptance_rate,
             rollback_fraction=self.rollback_fraction,
+            loop_overhead_s=self.loop_overhead_s,
             prompt_tps=self.prompt_tps,
             decode_tps=self.decode_tps,
         )

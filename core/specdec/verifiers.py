@@ -1,11 +1,20 @@
-"""Built-in verifiers: run the target once over ``[last_token, *block]``."""
+"""Built-in verifiers: run the target once over ``[last_token, *block]`` (or a prompt chunk).
+
+Both go through the model's own forward, so their logits are exactly
+``model(tokens[None], cache=caches)[0]``; ``hidden`` reads hidden states from
+taps on the model's modules (:mod:`specdec.capture`) instead of rebuilding the
+output step.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
+from .capture import model_taps
+from .errors import PolicyError
 from .roles import VerifyResult
 
 
@@ -13,6 +22,7 @@ class LogitsVerifier:
     """Plain logits: ``model(tokens[None], cache=caches)[0]`` as float32."""
 
     name = "logits"
+    provides = frozenset({"logits", "kv"})
 
     def verify(self, model: Any, tokens: mx.array, caches: list) -> VerifyResult:
         """One target forward; logits ``[n, vocab]``."""
@@ -21,26 +31,54 @@ class LogitsVerifier:
 
 
 class HiddenStateVerifier:
-    """Logits plus the last hidden states, for drafters that read them (MTP heads).
+    """Logits plus the final hidden states and chosen layers' outputs, for drafters that read them.
 
-    Works with mlx-lm models shaped like ``Model(model=<backbone>, lm_head?)``
-    whose backbone returns the final normed hidden states.
+    Works with mlx-lm models shaped like ``Model(model=<backbone with .norm and .layers>)``.
+
+    Args:
+        layers: decoder layers whose outputs every result carries (besides those
+            the policy's drafters ask for through ``hidden_layers``).
     """
 
     name = "hidden"
+    provides = frozenset({"logits", "hidden", "layer_hidden", "kv"})
+
+    def __init__(self, layers: Sequence[int] = ()):
+        try:
+            self.layers = tuple(int(i) for i in layers)
+        except (TypeError, ValueError) as exc:
+            raise PolicyError(
+                f"verifier 'hidden': option layers must be a list of layer indices, got {layers!r}"
+            ) from exc
+        self._taps = None
+
+    def bind(self, model: Any, *, layers: Sequence[int] = ()) -> None:
+        """Install the taps on ``model`` and check the layer indices.
+
+        Raises:
+            PolicyError: the model cannot be tapped, or a layer index is out of range.
+        """
+        from .capture import TapError
+
+        try:
+            self._taps = model_taps(model)
+            wanted = [*self.layers, *layers]
+            for i in wanted:
+                self._taps.layer_index(i)
+        except (TapError, IndexError) as exc:
+            raise PolicyError(f"verifier 'hidden': {exc}") from exc
+        self.layers = tuple(dict.fromkeys(wanted))
 
     def verify(self, model: Any, tokens: mx.array, caches: list) -> VerifyResult:
-        """One target forward; logits ``[n, vocab]`` and hidden states ``[n, hidden]``."""
-        backbone = getattr(model, "model", None)
-        if backbone is None:
-            raise TypeError(
-                f"verifier 'hidden' needs an mlx-lm model with a .model backbone; got {type(model).__name__}"
-            )
-        h = backbone(tokens[None], cache=caches)
-        if getattr(model, "lm_head", None) is not None and not getattr(
-            model.args, "tie_word_embeddings", False
-        ):
-            logits = model.lm_head(h)
-        else:
-            logits = backbone.embed_tokens.as_linear(h)
-        return VerifyResult(logits=logits[0].astype(mx.float32), hidden=h[0])
+        """One target forward; logits ``[n, vocab]``, hidden states ``[n, hidden]``, layers."""
+        taps = self._taps if self._taps is not None and self._taps.model is model else None
+        if taps is None:
+            self.bind(model)
+            taps = self._taps
+        with taps.recording(self.layers) as rec:
+            logits = model(tokens[None], cache=caches)
+        return VerifyResult(
+            logits=logits[0].astype(mx.float32),
+            hidden=rec["hidden"][0],
+            layers={i: h[0] for i, h in rec["layers"].items()},
+        )

@@ -3,7 +3,10 @@
 Under greedy decoding it drafts argmax tokens (accepted by exact prefix);
 under sampling it draws each draft token from its own distribution ``q``
 (with the request's sampler filters) and hands ``q`` to rejection acceptance.
-Its own cache is rolled back to the accepted prefix after every round.
+Drafting is lazy, as in mlx-lm's ``speculative_generate_step``: the draft
+tokens stay on the device and the core queues the verify forward on them, so
+a round syncs with the device once. Each request's session keeps its own
+draft cache and rolls it back to the accepted prefix after every round.
 """
 
 from __future__ import annotations
@@ -16,30 +19,16 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import ModelLoadError, PolicyError
-from ..roles import BaseDrafter, Draft, RequestContext, RoundResult
+from ..heads import model_vocab_size
+from ..roles import BaseDrafter, BaseDrafterSession, Draft, RequestContext, RoundResult
+from ..rollback import rollback_plan
 from ..sampling import STREAM_DRAFT
-
-_LOADED: dict[str, tuple[Any, Any]] = {}
-
-
-def _vocab_size(model: Any) -> int | None:
-    args = getattr(model, "args", None)
-    v = getattr(args, "vocab_size", None)
-    if v is None and hasattr(model, "model") and hasattr(model.model, "embed_tokens"):
-        v = model.model.embed_tokens.weight.shape[0]
-    return v
-
-
-def _load(path: str) -> tuple[Any, Any]:
-    if path not in _LOADED:
-        from ..loading import load_model
-
-        _LOADED[path] = load_model(path, what="draft model")
-    return _LOADED[path]
 
 
 class DraftModelDrafter(BaseDrafter):
     """Drafts ``num_draft_tokens`` tokens autoregressively with a small model.
+
+    A model given as a path is loaded here, once per pipeline, and freed with it.
 
     Args:
         model: an mlx-lm model object, or a path / Hub id to load.
@@ -54,20 +43,25 @@ class DraftModelDrafter(BaseDrafter):
                 "drafter 'draft_model' needs option 'model' (a path, Hub id or mlx-lm model); "
                 "use --draft-model PATH or Policy.with_options('draft_model', model=...)"
             )
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        if (
+            not isinstance(num_draft_tokens, int)
+            or isinstance(num_draft_tokens, bool)
+            or num_draft_tokens < 1
+        ):
             raise PolicyError(
                 f"draft_model option num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}"
             )
         if isinstance(model, (str, os.PathLike)):
-            self.model, self.tokenizer = _load(os.fspath(model))
+            from ..loading import load_model
+
+            self.model, self.tokenizer = load_model(os.fspath(model), what="draft model")
         else:
             self.model, self.tokenizer = model, None
         self.num_draft_tokens = num_draft_tokens
-        self._cache: list | None = None
 
     def attach(self, target: Any, tokenizer: Any) -> None:
         """Refuse a draft model whose vocabulary differs from the target's."""
-        tv, dv = _vocab_size(target), _vocab_size(self.model)
+        tv, dv = model_vocab_size(target), model_vocab_size(self.model)
         if tv is not None and dv is not None and tv != dv:
             raise ModelLoadError(
                 f"draft model vocabulary size {dv} differs from the target's {tv}: "
@@ -86,73 +80,85 @@ class DraftModelDrafter(BaseDrafter):
                     "the target's vocabulary"
                 )
 
-    def begin(self, ctx: RequestContext) -> None:
-        """Fresh draft cache and a rollback plan from every registered rollback (plugins too)."""
-        from ..plugins import get_plugin_host
-        from ..rollback import build_plan
+    def session(self, ctx: RequestContext) -> DraftModelSession:
+        """A fresh draft cache for the request, rolled back with every registered rollback."""
+        return DraftModelSession(self, ctx)
 
-        self._sampler = ctx.sampler
-        self._cache = make_prompt_cache(self.model)
-        self._plan = build_plan(ctx.host or get_plugin_host(), self._cache, model=self.model)
-        if not self._plan.ok:
-            raise ModelLoadError(f"draft model cache cannot be rolled back: {self._plan.reason}")
-        self._fed = 0  # history tokens whose K/V are in the draft cache
-        self._pending: tuple | None = None
+
+class DraftModelSession(BaseDrafterSession):
+    """One request's draft cache and pending transaction."""
+
+    def __init__(self, drafter: DraftModelDrafter, ctx: RequestContext):
+        self.name = drafter.name
+        self.model = drafter.model
+        self.num_draft_tokens = drafter.num_draft_tokens
+        self.sampler = ctx.sampler
+        self.cache = make_prompt_cache(self.model)
+        self.plan = rollback_plan(self.cache, model=self.model, host=ctx.host)
+        if not self.plan.ok:
+            raise ModelLoadError(f"draft model cache cannot be rolled back: {self.plan.reason}")
+        self.fed = 0  # history tokens whose K/V are in the draft cache
+        self.pending: tuple | None = None
         self.rounds = 0
 
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
-        """Feed the unseen history, then draft up to ``min(max_len, num_draft_tokens)`` tokens."""
+        """Feed the unseen history, then draft up to ``min(max_len, num_draft_tokens)`` tokens (lazily)."""
         n = min(max_len, self.num_draft_tokens)
         if n < 1:
             return None
-        pending = list(history[self._fed :])
+        pending = list(history[self.fed :])
         if not pending:  # the last token must be fed to get a next-token distribution
             raise RuntimeError("draft_model: history is not ahead of the draft cache")
         if len(pending) > 1:  # committed tokens: outside the transaction
-            self.model(mx.array(pending[:-1])[None], cache=self._cache)
-            self._fed += len(pending) - 1
+            self.model(mx.array(pending[:-1])[None], cache=self.cache)
+            self.fed += len(pending) - 1
             pending = pending[-1:]
-        txn = self._plan.begin()
+        txn = self.plan.begin()
         try:
             y = mx.array(pending)
-            tokens: list[int] = []
+            tokens = []
             qs = []
             pos = len(history)
+            greedy = self.sampler.is_greedy
             for i in range(n):
-                logits = self.model(y[None], cache=self._cache)[0, -1:].astype(mx.float32)
-                if self._sampler.is_greedy:
-                    tok = int(mx.argmax(logits, axis=-1).item())
+                logits = self.model(y[None], cache=self.cache)[0, -1:].astype(mx.float32)
+                if greedy:
+                    y = mx.argmax(logits, axis=-1)
                 else:
-                    q = self._sampler.probs(logits)
-                    tok = self._sampler.sample(logits, [pos + i], STREAM_DRAFT)[0]
-                    qs.append(q[0])
-                tokens.append(tok)
-                if i + 1 < n:
-                    y = mx.array([tok])
+                    qs.append(self.sampler.probs(logits)[0])
+                    y = self.sampler.sample_lazy(logits, pos + i, STREAM_DRAFT)
+                mx.async_eval(y)
+                tokens.append(y)
         except BaseException:
             txn.abort()
             raise
-        n_fed = len(pending) + n - 1
-        self._pending = (txn, n_fed, len(history), tuple(tokens[:-1]))
+        block = mx.concatenate(tokens)
+        self.pending = (txn, len(pending) + n - 1, len(history), block)
         self.rounds += 1
-        return Draft(tokens=tokens, probs=mx.stack(qs) if qs else None)
+        return Draft(tokens=block, probs=mx.stack(qs) if qs else None)
 
     def observe(self, result: RoundResult) -> None:
         """Keep the draft cache's entries that match the committed tokens."""
-        if self._pending is None:
+        if self.pending is None:
             return
-        txn, n_fed, hist_len, fed_draft = self._pending
-        self._pending = None
+        txn, n_fed, hist_len, block = self.pending
+        self.pending = None
+        fed_draft = result.proposals.get(self.name)
+        if fed_draft is None:
+            fed_draft = tuple(block.tolist())
         m = 0
-        for a, b in zip(fed_draft, result.committed):
+        for a, b in zip(fed_draft[:-1], result.committed):
             if a != b:
                 break
             m += 1
-        n_keep = (hist_len - self._fed) + m
-        txn.commit(n_fed, n_keep)
-        self._fed = hist_len + m
+        txn.commit(n_fed, (hist_len - self.fed) + m)
+        self.fed = hist_len + m
 
     def end(self) -> None:
         """Drop the draft cache."""
-        self._cache = None
-        self._pending = None
+        self.cache = None
+        self.pending = None
+
+    def stats(self) -> dict:
+        """Rounds drafted and the tokens drafted per round."""
+        return {"draft_rounds": self.rounds, "num_draft_tokens": self.num_draft_tokens}

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..hookspecs import hookimpl
-from ..roles import BaseDrafter, Draft
+from ..roles import BaseDrafter, BaseDrafterSession, Draft, RequestContext
 
 CORRUPTIONS = ("none", "partial", "full")
 
@@ -57,10 +57,10 @@ class OracleDrafter(BaseDrafter):
         if vocab_size is None and model is not None:
             vocab_size = model.args.vocab_size
         self.vocab_size = vocab_size or (max(self.reference or [0]) + 2)
-        self._rng = random.Random(seed)
-        self.proposals = 0
+        self.seed = seed
 
-    def _continuation(self, history: Sequence[int], n: int) -> list[int]:
+    def continuation(self, history: Sequence[int], n: int) -> list[int]:
+        """The target's greedy continuation of ``history`` (``n`` tokens), or the reference's."""
         if self.reference is not None:
             h = list(history)
             if self.reference[: len(h)] != h:
@@ -78,9 +78,23 @@ class OracleDrafter(BaseDrafter):
             y = mx.array([tok])
         return out
 
+    def session(self, ctx: RequestContext) -> OracleSession:
+        """A session with its own corruption generator (seeded by ``seed``) and counts."""
+        return OracleSession(self)
+
+
+class OracleSession(BaseDrafterSession):
+    """One request of the oracle: proposals made and the corruption generator."""
+
+    def __init__(self, drafter: OracleDrafter):
+        self.drafter = drafter
+        self._rng = random.Random(drafter.seed)
+        self.proposals = 0
+
     def _corrupt(self, toks: list[int]) -> list[int]:
-        bad = lambda t: (t + 1) % self.vocab_size  # noqa: E731
-        c = self.corruption
+        vocab = self.drafter.vocab_size
+        bad = lambda t: (t + 1) % vocab  # noqa: E731
+        c = self.drafter.corruption
         if c == "none" or not toks:
             return toks
         if c == "full":
@@ -93,10 +107,10 @@ class OracleDrafter(BaseDrafter):
 
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
         """The (corrupted) greedy continuation of ``history``, at most ``min(block, max_len)`` tokens."""
-        n = min(self.block, max_len)
+        n = min(self.drafter.block, max_len)
         if n < 1:
             return None
-        toks = self._corrupt(self._continuation(history, n))
+        toks = self._corrupt(self.drafter.continuation(history, n))
         if not toks:
             return None
         self.proposals += 1

@@ -1,0 +1,93 @@
+"""A read-only view of the target's K/V, in temporal order (for drafters that read it).
+
+:func:`kv_views` turns a model's cache list into one :class:`KVView` per layer:
+the keys and values a query at the next position attends to (besides its own),
+oldest first, for plain (``KVCache``), quantized (``QuantizedKVCache``,
+dequantized) and rotating (``RotatingKVCache``, also after the window wrapped)
+caches. Layers whose cache holds no K/V (recurrent ``ArraysCache`` layers,
+composites) get ``None``.
+
+The arrays are new array objects (slices or reorderings of the buffers), so
+writing to them cannot change the cache, and a later cache update cannot
+change a view already taken. When a drafter's ``propose`` runs, the view holds
+``history[:-1]`` (the rule in :mod:`specdec.roles`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+
+@attrs.frozen
+class KVView:
+    """One layer's keys and values in temporal order.
+
+    Attributes:
+        keys, values: ``[batch, kv_heads, length, head_dim]`` arrays.
+        length: number of entries (``keys.shape[2]``).
+        offset: tokens fed to this cache so far (the next token's position).
+        positions: absolute position of each entry, oldest first.
+        window: the sliding window size of a rotating cache (``None`` otherwise).
+    """
+
+    keys: Any
+    values: Any
+    length: int
+    offset: int
+    positions: tuple
+    window: int | None = None
+
+
+def _rotating(c: Any) -> KVView | None:
+    if c.keys is None:
+        return None
+    idx, size, keep = c._idx, c.keys.shape[2], c.keep
+
+    def order(v: mx.array) -> mx.array:
+        if idx == size:
+            return v
+        if idx < c.offset:  # wrapped: [keep] + [idx:] + [keep:idx]
+            return mx.concatenate([v[..., :keep, :], v[..., idx:, :], v[..., keep:idx, :]], axis=2)
+        return v[..., :idx, :]
+
+    k, v = order(c.keys), order(c.values)
+    w = min(c.offset, c.max_size - 1, k.shape[2])
+    if keep and w > keep:
+        k = mx.concatenate([k[..., :keep, :], k[..., k.shape[2] - (w - keep) :, :]], axis=2)
+        v = mx.concatenate([v[..., :keep, :], v[..., v.shape[2] - (w - keep) :, :]], axis=2)
+        positions = tuple(range(keep)) + tuple(range(c.offset - (w - keep), c.offset))
+    else:
+        k, v = k[..., k.shape[2] - w :, :], v[..., v.shape[2] - w :, :]
+        positions = tuple(range(c.offset - w, c.offset))
+    return KVView(k, v, w, c.offset, positions, c.max_size)
+
+
+def kv_view(cache: Any) -> KVView | None:
+    """The view of one layer's cache, or ``None`` when it holds no K/V."""
+    t = type(cache)
+    if t is mlx_cache.RotatingKVCache:
+        return _rotating(cache)
+    if t is getattr(mlx_cache, "QuantizedKVCache", None):
+        if cache.keys is None:
+            return None
+        o = cache.offset
+
+        def deq(q: tuple) -> mx.array:
+            w, s, b = (x[..., :o, :] for x in q)
+            return mx.dequantize(w, s, b, group_size=cache.group_size, bits=cache.bits)
+
+        return KVView(deq(cache.keys), deq(cache.values), o, o, tuple(range(o)))
+    keys = getattr(cache, "keys", None)
+    if isinstance(keys, mx.array) and hasattr(cache, "offset"):
+        o = cache.offset
+        return KVView(keys[..., :o, :], cache.values[..., :o, :], o, o, tuple(range(o)))
+    return None
+
+
+def kv_views(caches: list) -> list[KVView | None]:
+    """:func:`kv_view` of every layer cache, in layer order."""
+    return [kv_view(c) for c in caches]
