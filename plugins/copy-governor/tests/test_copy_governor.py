@@ -12,7 +12,8 @@ D = "ngram_copy"
 
 
 def gov(**options):
-    return create_copy_governor(**options)
+    """A request's session of a copy governor built with ``options``."""
+    return create_copy_governor(**options).session()
 
 
 def round_(g, drafter, max_len, accepted):
@@ -46,7 +47,7 @@ def suspended_for(g, drafter=D):
 
 
 def test_defaults():
-    g = gov()
+    g = create_copy_governor()
     assert g.name == "copy_governor"
     for k, v in DEFAULTS.items():
         assert getattr(g, k) == v
@@ -234,11 +235,12 @@ def test_each_drafter_has_its_own_state():
     assert set(g.stats()["drafters"]) == {"ngram_copy", "my_mtp"}
 
 
-def test_begin_resets_state():
-    g = gov(suspend_after=1)
+def test_each_session_starts_fresh():
+    governor = create_copy_governor(suspend_after=1)
+    g = governor.session()
     poor(g)
     assert g.suspended(D)
-    g.begin(None)
+    g = governor.session()  # the next request
     assert not g.suspended(D)
     st = g.stats()
     assert st["suspensions"] == 0 and st["suspended_rounds"] == 0
@@ -253,8 +255,9 @@ def test_stats_are_json_serialisable():
 
 
 def test_is_a_governor():
-    assert isinstance(gov(), specdec.Governor)
-    assert isinstance(gov(), CopyGovernor)
+    assert isinstance(create_copy_governor(), specdec.Governor)
+    assert isinstance(create_copy_governor(), CopyGovernor)
+    assert isinstance(gov(), specdec.GovernorSession)
 
 
 def test_workload_shape_copy_then_prose():
@@ -271,7 +274,7 @@ def test_workload_shape_copy_then_prose():
 def test_tokens_spent_suspended_are_counted_from_rounds():
     from specdec import RoundResult
 
-    g = create_copy_governor(suspend_after=1, suspend_rounds=2)
+    g = create_copy_governor(suspend_after=1, suspend_rounds=2).session()
     g.budget("d", 8)
     g.observe("d", 4, 0)  # poor round: suspended for 2 rounds
     assert g.budget("d", 8) == 0

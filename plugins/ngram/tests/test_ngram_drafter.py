@@ -36,9 +36,8 @@ def commit(drafter, history, tokens, *, block=(), n_accepted=0, drafter_name=Non
 
 
 def started(prompt, **options):
-    d = create_ngram_copy(**options)
-    d.begin(ctx(prompt))
-    return d
+    """A session of a drafter built with ``options``, for a request with ``prompt``."""
+    return create_ngram_copy(**options).session(ctx(prompt))
 
 
 # -- options -------------------------------------------------------------------------
@@ -229,14 +228,16 @@ def test_stats_count_acceptances():
     assert s["longest_match"] == 2 and s["mean_match_len"] == 2.0
 
 
-def test_begin_starts_fresh_and_end_drops_state():
-    d = started([1, 2, 3, 1, 2])
+def test_each_session_starts_fresh_and_end_drops_state():
+    drafter = create_ngram_copy()
+    d = drafter.session(ctx([1, 2, 3, 1, 2]))
     assert d.propose([1, 2, 3, 1, 2], 4) is not None
+    other = drafter.session(ctx([4, 5, 6]))  # a second request on the same drafter
+    assert other.stats()["lookups"] == 0
+    assert other.propose([4, 5, 6], 4) is None
+    assert d.stats()["lookups"] == 1 and d.stats()["indexed_tokens"] == 5  # untouched
     d.end()
     assert d.stats()["indexed_tokens"] == 0
-    d.begin(ctx([4, 5, 6]))
-    assert d.stats()["lookups"] == 0
-    assert d.propose([4, 5, 6], 4) is None
 
 
 def test_index_cost_is_per_token():

@@ -10,6 +10,10 @@ sampled output keeps the target's distribution (point-mass acceptance).
 Enable it with ``specdec.Policy(drafters=("example_repeat",))`` once the
 distribution is installed; its entry point in ``pyproject.toml`` is what makes
 specdec find it.
+
+The drafter object is shared by every request of a pipeline and holds only
+its options; what it learns about one request lives in the
+:class:`RepeatSession` it makes for that request.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import specdec
-from specdec import BaseDrafter, Draft, RequestContext
+from specdec import BaseDrafter, BaseDrafterSession, Draft, RequestContext
 
 __version__ = "0.2.0"
 
@@ -41,13 +45,23 @@ class RepeatDrafter(BaseDrafter):
                 f"example_repeat: option max_len must be an integer >= 1, got {max_len!r}"
             )
         self.max_len = max_len
-        self.proposals = 0
-        self._reset()
 
-    def begin(self, ctx: RequestContext) -> None:
-        """Start a request: forget everything learned from the previous one."""
-        self._reset()
+    def session(self, ctx: RequestContext) -> RepeatSession:
+        """Start a request: a fresh session that knows nothing yet."""
+        return RepeatSession(self.max_len)
+
+
+class RepeatSession(BaseDrafterSession):
+    """One request of ``example_repeat``: the "what came next" index and a count.
+
+    Args:
+        max_len: the drafter's ``max_len`` option.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
         self.proposals = 0
+        self._reset()
 
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
         """Follow the chain of "what came next last time" from ``history[-1]``.
@@ -69,11 +83,11 @@ class RepeatDrafter(BaseDrafter):
         return Draft(tokens=block)
 
     def end(self) -> None:
-        """Finish a request: drop the per-request index."""
+        """Finish the request: drop the index."""
         self._reset()
 
     def stats(self) -> dict:
-        """How many blocks this drafter proposed in the request."""
+        """How many blocks this session proposed."""
         return {"proposals": self.proposals}
 
     def _reset(self) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import pytest
 import specdec
 import specdec_example_drafter
@@ -15,6 +13,7 @@ from specdec.testing import (
     check_sampled_identity,
     make_tiny_model,
     plugin_host,
+    require_installed,
 )
 from specdec_example_drafter import RepeatDrafter
 
@@ -35,10 +34,8 @@ def test_registers_example_repeat():
 
 def test_installed_through_entry_point(specdec_fresh_host):
     # specdec_fresh_host: a fixture of the test kit's pytest plugin (a freshly loaded host).
-    try:
-        dist = importlib.metadata.distribution("specdec-example-drafter")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("specdec-example-drafter is not installed (tests run from the source tree)")
+    # require_installed skips when the tests run from a source tree, and fails under CI.
+    dist = require_installed("specdec-example-drafter")
     names = [ep.name for ep in dist.entry_points if ep.group == "specdec"]
     assert names == ["example_repeat"]
     info = specdec_fresh_host.components["drafter"]["example_repeat"]
@@ -48,32 +45,45 @@ def test_installed_through_entry_point(specdec_fresh_host):
 # -- the drafter on its own ----------------------------------------------------
 
 
+def session(**options):
+    """A request's session of a drafter built with ``options`` (no model needed)."""
+    return RepeatDrafter(**options).session(None)
+
+
 def test_proposes_what_followed_last_time():
-    drafter = RepeatDrafter()
+    drafter = session()
     draft = drafter.propose([5, 6, 7, 5], max_len=3)
     assert draft.tokens == (6, 7, 5)
     assert draft.probs is None  # deterministic: point-mass acceptance under sampling
 
 
 def test_most_recent_occurrence_wins():
-    assert RepeatDrafter().propose([1, 2, 1, 3, 1], max_len=2).tokens == (3, 1)
+    assert session().propose([1, 2, 1, 3, 1], max_len=2).tokens == (3, 1)
 
 
 def test_no_previous_occurrence_means_no_draft():
-    assert RepeatDrafter().propose([1, 2, 3], max_len=4) is None
-    assert RepeatDrafter().propose([], max_len=4) is None
+    assert session().propose([1, 2, 3], max_len=4) is None
+    assert session().propose([], max_len=4) is None
 
 
 def test_max_len_option_caps_the_block():
-    drafter = RepeatDrafter(max_len=2)
+    drafter = session(max_len=2)
     assert drafter.propose([5, 6, 7, 5], max_len=16).tokens == (6, 7)
 
 
 def test_history_grows_incrementally():
-    drafter = RepeatDrafter()
+    drafter = session()
     assert drafter.propose([1, 2, 1], max_len=2).tokens == (2, 1)
     assert drafter.propose([1, 2, 1, 3, 1], max_len=2).tokens == (3, 1)
     assert drafter.stats() == {"proposals": 2}
+
+
+def test_sessions_do_not_share_state():
+    drafter = RepeatDrafter()
+    a, b = drafter.session(None), drafter.session(None)
+    assert a.propose([1, 2, 1], max_len=2).tokens == (2, 1)
+    assert b.propose([1, 9, 1], max_len=2).tokens == (9, 1)
+    assert a.stats() == b.stats() == {"proposals": 1}
 
 
 def test_bad_options_are_policy_errors():

@@ -10,8 +10,20 @@ suspension with a doubling backoff. It governs any drafter, by name::
 
 from __future__ import annotations
 
-from .governor import DEFAULTS, CopyGovernor, DrafterState, create_copy_governor
+from .governor import (
+    DEFAULTS,
+    CopyGovernor,
+    CopyGovernorSession,
+    DrafterState,
+    create_copy_governor,
+)
 
 __version__ = "0.2.0"
 
-__all__ = ["DEFAULTS", "CopyGovernor", "DrafterState", "create_copy_governor"]
+__all__ = [
+    "DEFAULTS",
+    "CopyGovernor",
+    "CopyGovernorSession",
+    "DrafterState",
+    "create_copy_governor",
+]

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import specdec
-from specdec import BaseGovernor, RequestContext, RoundResult
+from specdec import BaseGovernor, BaseGovernorSession, RequestContext, RoundResult
 
 NAME = "copy_governor"
 
@@ -154,13 +154,24 @@ class CopyGovernor(BaseGovernor):
                 f"{NAME}: max_suspend_rounds ({max_suspend_rounds}) must be >= "
                 f"suspend_rounds ({suspend_rounds})"
             )
-        self._states: dict[str, DrafterState] = {}
 
     # -- the Governor protocol ----------------------------------------------------
 
-    def begin(self, ctx: RequestContext) -> None:
+    def session(self, ctx: RequestContext | None = None) -> CopyGovernorSession:
         """Start a request: every drafter starts fresh (on probation, not suspended)."""
-        self._states = {}
+        return CopyGovernorSession(self)
+
+
+class CopyGovernorSession(BaseGovernorSession):
+    """One request's governing state: a :class:`DrafterState` per drafter.
+
+    Args:
+        config: the :class:`CopyGovernor` whose options apply.
+    """
+
+    def __init__(self, config: CopyGovernor) -> None:
+        self.config = config
+        self._states: dict[str, DrafterState] = {}
 
     def budget(self, drafter: str, max_len: int) -> int:
         """How many tokens ``drafter`` may propose this round (0 while it is suspended)."""
@@ -184,14 +195,16 @@ class CopyGovernor(BaseGovernor):
         s.rounds += 1
         s.proposed += proposed
         s.accepted += accepted
-        s.ema = frac if s.ema is None else self.alpha * frac + (1.0 - self.alpha) * s.ema
-        if frac >= self.good_fraction:
+        s.ema = (
+            frac if s.ema is None else self.config.alpha * frac + (1.0 - self.config.alpha) * s.ema
+        )
+        if frac >= self.config.good_fraction:
             s.good_rounds += 1
             s.poor_streak = 0
-            s.backoff = self.suspend_rounds
-        elif frac <= self.poor_fraction:
+            s.backoff = self.config.suspend_rounds
+        elif frac <= self.config.poor_fraction:
             s.poor_streak += 1
-            if s.poor_streak >= self.suspend_after:
+            if s.poor_streak >= self.config.suspend_after:
                 self._suspend(s)
         else:
             s.poor_streak = 0  # "several poor rounds" means in a row
@@ -219,12 +232,12 @@ class CopyGovernor(BaseGovernor):
         """The state of ``drafter`` (created fresh on first use)."""
         s = self._states.get(drafter)
         if s is None:
-            s = self._states[drafter] = DrafterState(self.suspend_rounds)
+            s = self._states[drafter] = DrafterState(self.config.suspend_rounds)
         return s
 
     def on_probation(self, drafter: str) -> bool:
         """Whether ``drafter`` has not yet had ``probation_rounds`` good rounds."""
-        return self.state(drafter).good_rounds < self.probation_rounds
+        return self.state(drafter).good_rounds < self.config.probation_rounds
 
     def suspended(self, drafter: str) -> bool:
         """Whether ``drafter`` gets a budget of 0 at its next round."""
@@ -236,9 +249,9 @@ class CopyGovernor(BaseGovernor):
         if s.suspended_left > 0:
             return 0
         if self.on_probation(drafter):
-            return self.probation_cap
-        if s.ema is not None and s.ema < self.shrink_below:
-            return self.probation_cap
+            return self.config.probation_cap
+        if s.ema is not None and s.ema < self.config.shrink_below:
+            return self.config.probation_cap
         return None
 
     # -- helpers ------------------------------------------------------------------
@@ -246,7 +259,7 @@ class CopyGovernor(BaseGovernor):
     def _suspend(self, s: DrafterState) -> None:
         s.suspended_left = s.backoff
         s.suspensions += 1
-        s.backoff = min(s.backoff * 2, self.max_suspend_rounds)
+        s.backoff = min(s.backoff * 2, self.config.max_suspend_rounds)
         s.poor_streak = 0
         s.good_rounds = 0  # back on probation when the suspension ends
 

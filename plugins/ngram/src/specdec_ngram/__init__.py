@@ -12,9 +12,16 @@ or use the ``copy`` preset (with ``specdec-plugin-copy-governor``).
 
 from __future__ import annotations
 
-from .drafter import DEFAULTS, NgramCopyDrafter, create_ngram_copy
+from .drafter import DEFAULTS, NgramCopyDrafter, NgramCopySession, create_ngram_copy
 from .index import NgramIndex, NgramMatch
 
 __version__ = "0.2.0"
 
-__all__ = ["DEFAULTS", "NgramCopyDrafter", "NgramIndex", "NgramMatch", "create_ngram_copy"]
+__all__ = [
+    "DEFAULTS",
+    "NgramCopyDrafter",
+    "NgramCopySession",
+    "NgramIndex",
+    "NgramMatch",
+    "create_ngram_copy",
+]

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import specdec
-from specdec import BaseDrafter, Draft, RequestContext, RoundResult
+from specdec import BaseDrafter, BaseDrafterSession, Draft, RequestContext, RoundResult
 
 from .index import NgramIndex, NgramMatch
 
@@ -124,17 +124,38 @@ class NgramCopyDrafter(BaseDrafter):
         self.max_block = max_block
         self.max_edits = max_edits
         self.realign = realign
-        self._prompt_len = 0
-        self._dirty = False
-        self.index = self._new_index(0)
-        self._reset_stats()
 
     # -- the Drafter protocol -------------------------------------------------------
 
-    def begin(self, ctx: RequestContext) -> None:
-        """Index the prompt (O(1) per token)."""
+    def session(self, ctx: RequestContext) -> NgramCopySession:
+        """A request's session: the prompt indexed (O(1) per token)."""
+        return NgramCopySession(self, ctx.prompt_tokens)
+
+    def block_for(self, match_len: int) -> int:
+        """The ladder's block size for a match of ``match_len`` tokens (0 below the first rung)."""
+        block = 0
+        for rung_len, rung_block in self.ladder:
+            if match_len < rung_len:
+                break
+            block = rung_block
+        return block
+
+
+class NgramCopySession(BaseDrafterSession):
+    """One request of ``ngram_copy``: its n-gram index and counts.
+
+    Args:
+        drafter: the drafter whose options apply.
+        prompt_tokens: the request's prompt, indexed at once.
+    """
+
+    def __init__(self, drafter: NgramCopyDrafter, prompt_tokens: Sequence[int]) -> None:
+        self.drafter = drafter
+        self.name = drafter.name
+        self._prompt_len = 0
+        self._dirty = False
         self._reset_stats()
-        self._rebuild(list(ctx.prompt_tokens), prompt_len=len(ctx.prompt_tokens))
+        self._rebuild([int(t) for t in prompt_tokens], prompt_len=len(prompt_tokens))
 
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
         """Copy what followed the best earlier occurrence of the end of ``history``.
@@ -157,7 +178,7 @@ class NgramCopyDrafter(BaseDrafter):
         if match is None:
             self.misses += 1
             return None
-        size = min(self.block_for(match.length), self.max_block, max_len)
+        size = min(self.drafter.block_for(match.length), self.drafter.max_block, max_len)
         tokens = self.index.continuation(match, size) if size > 0 else []
         if not tokens:
             self.misses += 1
@@ -202,7 +223,7 @@ class NgramCopyDrafter(BaseDrafter):
         """Per-request counts: lookups, hits (``realigned``: after an edit), misses,
         proposed/accepted tokens, match lengths, index size, resyncs."""
         return {
-            "source": self.source,
+            "source": self.drafter.source,
             "lookups": self.lookups,
             "hits": self.hits,
             "misses": self.misses,
@@ -219,21 +240,11 @@ class NgramCopyDrafter(BaseDrafter):
 
     # -- helpers ------------------------------------------------------------------
 
-    def block_for(self, match_len: int) -> int:
-        """The ladder's block size for a match of ``match_len`` tokens (0 below the first rung)."""
-        block = 0
-        for rung_len, rung_block in self.ladder:
-            if match_len < rung_len:
-                break
-            block = rung_block
-        return block
-
     def _new_index(self, prompt_len: int) -> NgramIndex:
-        # "prompt": copy only from the first prompt_len tokens (none before begin()).
-        limit = prompt_len if self.source == "prompt" else None
-        return NgramIndex(
-            self.min_n, self.max_n, limit=limit, max_edits=self.max_edits, realign=self.realign
-        )
+        # "prompt": copy only from the first prompt_len tokens.
+        d = self.drafter
+        limit = prompt_len if d.source == "prompt" else None
+        return NgramIndex(d.min_n, d.max_n, limit=limit, max_edits=d.max_edits, realign=d.realign)
 
     def _rebuild(self, tokens: list[int], *, prompt_len: int | None = None) -> None:
         if prompt_len is not None:
