@@ -8,9 +8,15 @@ import pytest
 import specdec
 from mlx_lm.models.cache import make_prompt_cache
 from specdec.testing import (
+    ALL_ARCHITECTURES,
     ARCHITECTURES,
+    EXTRA_ARCHITECTURES,
     OracleDrafter,
+    check_caches_match_plain,
+    check_fewer_forwards,
     check_greedy_identity,
+    check_sampled_distribution,
+    check_sampled_identity,
     copy_heavy_prompt,
     plain_greedy,
 )
@@ -40,7 +46,9 @@ def test_tiny_models_are_cached_and_distinct(specdec_tiny_model):
     a = specdec_tiny_model("llama")
     assert a is specdec_tiny_model("llama")
     assert a is not specdec_tiny_model("llama", seed=2)
-    for arch in ARCHITECTURES:
+    assert ALL_ARCHITECTURES == ARCHITECTURES + EXTRA_ARCHITECTURES
+    assert ARCHITECTURES == ("llama", "qwen3", "gemma3") and "gemma4" in EXTRA_ARCHITECTURES
+    for arch in ALL_ARCHITECTURES:
         m = specdec_tiny_model(arch)
         out = plain_greedy(m, [3, 17, 42, 9, 28, 5, 61, 11], 16)
         assert len(set(out)) > 2, f"{arch} tiny model output is degenerate: {out}"
@@ -104,3 +112,96 @@ def test_cache_view_compares_arrays_cache_entries():
     b[1] = b[1] + 1e-3
     with pytest.raises(AssertionError, match="max abs difference"):
         _compare_views(cache_view(a), cache_view(b), 1e-6, "different")
+
+
+# -- the checks fail where speculation did not run or nothing was compared ---------------
+
+
+#: The oracle following a reference the history never matches: it never proposes.
+NEVER_PROPOSES = specdec.Policy(
+    name="never", drafters=("oracle",), options={"oracle": {"reference": [0, 0, 0]}}
+)
+
+
+def test_sampled_identity_requires_drafts_by_default(models, copy_prompts):
+    m, prompt = models["llama"], copy_prompts["llama"]
+    with pytest.raises(AssertionError, match="no tokens were drafted"):
+        check_sampled_identity(m, NEVER_PROPOSES, prompt, seeds=range(2), max_tokens=6)
+    r = check_sampled_identity(
+        m, NEVER_PROPOSES, prompt, seeds=range(2), max_tokens=6, require_drafts=False
+    )
+    assert r["drafted"] == 0 and r["runs"] == 2
+
+
+def test_sampled_identity_requires_accepted_drafts(models, copy_prompts):
+    m, prompt = models["llama"], copy_prompts["llama"]
+    pol = specdec.Policy(
+        drafters=("oracle",), options={"oracle": {"model": m, "corruption": "full"}}
+    )
+    with pytest.raises(AssertionError, match="none accepted"):
+        check_sampled_identity(m, pol, prompt, seeds=range(1), max_tokens=6, temperature=0.0)
+
+
+def test_cache_and_forward_checks_require_drafts_by_default(models, copy_prompts):
+    m, prompt = models["llama"], copy_prompts["llama"]
+    with pytest.raises(AssertionError, match="no tokens were drafted"):
+        check_caches_match_plain(m, NEVER_PROPOSES, prompt, max_tokens=6)
+    assert (
+        check_caches_match_plain(m, NEVER_PROPOSES, prompt, max_tokens=6, require_drafts=False)
+        <= 1e-4
+    )
+    with pytest.raises(AssertionError, match="no tokens were drafted"):
+        check_fewer_forwards(m, NEVER_PROPOSES, prompt, max_tokens=6)
+    with pytest.raises(AssertionError, match="no tokens were drafted"):
+        check_sampled_distribution(m, NEVER_PROPOSES, prompt, max_tokens=1, n_samples=5)
+
+
+def test_cache_check_fails_when_no_round_was_compared(models, copy_prompts):
+    """A stop token inside the first accepted block ends both runs before any round both
+    recorded (plain after 1 token, speculation after 5): that used to pass, comparing nothing."""
+    m, prompt = models["llama"], copy_prompts["llama"]
+    first = plain_greedy(m, prompt, 1)[0]
+    pol = specdec.Policy(drafters=("oracle",), options={"oracle": {"model": m, "block": 4}})
+    for require in (True, False):
+        with pytest.raises(AssertionError, match="no round was compared"):
+            check_caches_match_plain(
+                m, pol, prompt, max_tokens=8, stop_tokens=[first], require_drafts=require
+            )
+    # without the stop token the same policy is compared after every round
+    assert check_caches_match_plain(m, pol, prompt, max_tokens=8) <= 1e-4
+
+
+def test_plain_reference_is_the_none_pipeline(models, copy_prompts):
+    """``plain_greedy`` and the exact distribution come from ``assemble(model, "none")``."""
+    from specdec.sampling import Sampler
+    from specdec.testing.checks import _exact_joint
+
+    m, prompt = models["llama"], copy_prompts["llama"]
+    pipe = specdec.assemble(m, policy="none")
+    assert plain_greedy(m, prompt, 8) == pipe.generate(prompt, max_tokens=8).tokens
+    joint = _exact_joint(m, prompt, Sampler(temperature=1.0, seed=0), 1, floor=0.0)
+    assert abs(sum(joint.values()) - 1.0) < 1e-4
+    assert max(joint, key=joint.get) == tuple(plain_greedy(m, prompt, 1))
+
+
+# -- entry-point tests skip in a source tree and fail under CI ---------------------------
+
+
+def test_require_installed_skips_locally_and_fails_under_ci(monkeypatch):
+    from specdec.testing import in_ci, require_command, require_installed
+
+    missing = "specdec-plugin-that-is-not-installed"
+    monkeypatch.delenv("CI", raising=False)
+    assert not in_ci()
+    with pytest.raises(pytest.skip.Exception, match=f"{missing} is not installed"):
+        require_installed(missing)
+    with pytest.raises(pytest.skip.Exception, match="command is not installed"):
+        require_command("specdec-no-such-command")
+    monkeypatch.setenv("CI", "true")
+    assert in_ci()
+    with pytest.raises(pytest.fail.Exception, match=f"{missing} is not installed.*CI is set"):
+        require_installed(missing)
+    with pytest.raises(pytest.fail.Exception, match="CI is set"):
+        require_command("specdec-no-such-command")
+    # installed: the distribution itself, whatever CI says
+    assert require_installed("specdec-core").metadata["Name"] == "specdec-core"

@@ -9,6 +9,14 @@ from core_support import oracle_policy
 from mlx_lm.models import cache as C
 from specdec.rollback import KVTrimRollback, RollbackPlan, RotatingWindowRollback
 from specdec.testing import ARCHITECTURES, cache_view, check_caches_match_plain, plugin_host
+from specdec.testing.checks import _compare_views
+
+
+def assert_same_caches(expected: list, got: list, where: str) -> None:
+    """Two lists of ``cache_view``s are equal: offsets, and every array bit for bit."""
+    assert len(expected) == len(got), f"{where}: {len(got)} caches, expected {len(expected)}"
+    for i, (e, g) in enumerate(zip(expected, got)):
+        _compare_views(e, g, 0.0, f"{where}, cache {i}")
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -107,10 +115,7 @@ def test_abort_restores_every_cache_type(models):
         _feed(m, cache, [8])
         txn.abort()
         after = [cache_view(c) for c in cache]
-        for b, a in zip(before, after):
-            assert b[0] == a[0]
-            for x, y in zip(b[1:], a[1:]):
-                assert (x == y).all()
+        assert_same_caches(before, after, f"{arch} after abort")
 
 
 class _Boom(Exception):
@@ -148,14 +153,23 @@ def test_exception_mid_round_restores_caches_and_next_request_is_normal(models, 
         pol = oracle_policy(m, "partial", verifier="failing")
         pipe = specdec.assemble(m, policy=pol)
         seen = {}
+        live = []
 
         def rec(result, caches):
             seen[result.start_position + len(result.committed)] = [cache_view(c) for c in caches]
+            live[:] = [caches]  # the request's own cache list, to read after the failure
 
         stream = pipe.stream(prompt, max_tokens=20, on_round=rec)
         with pytest.raises(_Boom):
             for _ in stream:
                 pass
+        # the failed round's transaction was aborted: the caches are exactly those
+        # recorded after the last round that completed
+        assert seen and live, "no round completed before the injected failure"
+        last = max(seen)
+        assert_same_caches(
+            seen[last], [cache_view(c) for c in live[0]], f"after the failure (at {last} tokens)"
+        )
         # the pipeline serves the next request normally (the verifier counter is past 3 now)
         plain = specdec.assemble(m, policy="none").generate(prompt, max_tokens=20)
         again = pipe.generate(prompt, max_tokens=20)
@@ -178,6 +192,7 @@ def test_failed_round_leaves_caches_as_before(models):
         txn.abort()
     after = [cache_view(c) for c in cache]
     assert [b[0] for b in before] == [a[0] for a in after] == [4, 4]
+    assert_same_caches(before, after, "after the aborted round")
 
 
 def test_unsupported_cache_falls_back_to_plain_with_reason(models, copy_prompts):

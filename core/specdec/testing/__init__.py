@@ -8,6 +8,11 @@ Typical use in a plugin's tests::
     model = make_tiny_model("gemma3")
     prompt = copy_heavy_prompt(model, [1, 2, 3, 4, 5])
     check_greedy_identity(model, specdec.Policy(drafters=("my_drafter",)), prompt)
+
+Every check that runs speculation asserts, unless called with ``require_drafts=False``,
+that drafts were proposed and accepted; the plain reference is the pipeline users
+get with the ``none`` policy. An entry-point test calls
+``require_installed("my-distribution")``: it skips in a source tree, fails under CI.
 """
 
 from __future__ import annotations
@@ -21,15 +26,27 @@ from .checks import (
     check_sampled_identity,
     chi_square_p_value,
     copy_heavy_prompt,
+    in_ci,
     plain_greedy,
     plugin_host,
+    require_command,
+    require_installed,
+    skip_unless_ci,
 )
-from .models import ARCHITECTURES, make_tiny_model, tiny_model_args
+from .models import (
+    ALL_ARCHITECTURES,
+    ARCHITECTURES,
+    EXTRA_ARCHITECTURES,
+    make_tiny_model,
+    tiny_model_args,
+)
 from .oracle import CORRUPTIONS, OracleDrafter, oracle_plugin
 from .toy_tokenizer import ToyTokenizer
 
 __all__ = [
+    "ALL_ARCHITECTURES",
     "ARCHITECTURES",
+    "EXTRA_ARCHITECTURES",
     "ToyTokenizer",
     "CORRUPTIONS",
     "OracleDrafter",
@@ -41,9 +58,13 @@ __all__ = [
     "check_sampled_identity",
     "chi_square_p_value",
     "copy_heavy_prompt",
+    "in_ci",
     "make_tiny_model",
     "oracle_plugin",
     "plain_greedy",
     "plugin_host",
+    "require_command",
+    "require_installed",
+    "skip_unless_ci",
     "tiny_model_args",
 ]

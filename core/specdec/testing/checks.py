@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import math
+import os
+import shutil
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 import numpy as np
@@ -15,6 +18,40 @@ from ..pipeline import assemble
 from ..plugins import PluginHost, get_plugin_host, reset_plugin_host
 from ..policy import Policy, load_policy
 from ..sampling import Sampler
+
+
+def in_ci() -> bool:
+    """Whether the tests run under CI: the environment variable ``CI`` is set (non-empty)."""
+    return bool(os.environ.get("CI"))
+
+
+def skip_unless_ci(reason: str) -> NoReturn:
+    """Skip the calling test here; fail it under CI (``CI`` set), where a skip would hide ``reason``."""
+    import pytest
+
+    if in_ci():
+        pytest.fail(f"{reason} (CI is set: this test must run there, not skip)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_installed(distribution: str) -> importlib.metadata.Distribution:
+    """The installed ``distribution``; if it is not installed, skip the test here and fail it under CI.
+
+    For a plugin's entry-point tests: run from a source tree without ``pip install``
+    they skip, but a CI job where the plugin did not get installed fails.
+    """
+    try:
+        return importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        skip_unless_ci(f"{distribution} is not installed")
+
+
+def require_command(name: str) -> str:
+    """The path of the console command ``name``; if it is not on ``PATH``, skip here and fail under CI."""
+    exe = shutil.which(name)
+    if exe is None:
+        skip_unless_ci(f"the {name} command is not installed")
+    return exe
 
 
 @contextlib.contextmanager
@@ -57,10 +94,26 @@ def _host_with_oracle() -> PluginHost:
     return host
 
 
+def _plain(model: Any, tokenizer: Any = None) -> Any:
+    """The plain path users get: ``assemble(model, tokenizer, "none")``."""
+    return assemble(model, tokenizer, "none", host=_host_with_oracle())
+
+
 def _pipes(model: Any, policy: Any, tokenizer: Any = None):
-    host = _host_with_oracle()
+    """``(plain, spec)``: the plain pipeline users get and the one under ``policy``."""
     pol = load_policy(policy)
-    return assemble(model, tokenizer, "none", host=host), assemble(model, tokenizer, pol, host=host)
+    return _plain(model, tokenizer), assemble(model, tokenizer, pol, host=_host_with_oracle())
+
+
+def _require_drafts(drafted: int, accepted: int) -> None:
+    assert drafted > 0, (
+        "no tokens were drafted: speculation did not run (pass require_drafts=False "
+        "if that is what the test means)"
+    )
+    assert accepted > 0, (
+        f"{drafted} tokens drafted, none accepted (pass require_drafts=False "
+        "if that is what the test means)"
+    )
 
 
 def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
@@ -144,8 +197,7 @@ def check_greedy_identity(
             )
         _add(totals, b.stats, a.stats)
     if require_drafts:
-        assert totals["drafted"] > 0, "no tokens were drafted: speculation did not run"
-        assert totals["accepted"] > 0, "no drafted token was accepted"
+        _require_drafts(totals["drafted"], totals["accepted"])
     return dict(totals)
 
 
@@ -225,8 +277,19 @@ def check_caches_match_plain(
 ) -> float:
     """Assert that after every round the caches equal those of plain decoding of the same text.
 
+    The reference caches are those of the ``none`` pipeline, recorded through
+    ``on_round`` after each of its one-token rounds (with the hook it does not queue
+    its next forward ahead); its stream is also checked against the same pipeline
+    run without the hook, the plain path users get.
+
     Returns:
         the largest absolute difference seen.
+
+    Raises:
+        AssertionError: on a difference; if no round of the speculative run could be
+            compared with the plain run (for instance when a stop token inside the first
+            accepted block ends both runs); or, with ``require_drafts``, if nothing was
+            drafted and accepted.
     """
     plain, spec = _pipes(model, policy, tokenizer)
     prompt = list(prompt_tokens)
@@ -240,39 +303,71 @@ def check_caches_match_plain(
 
         return cb
 
+    user = plain.generate(prompt, max_tokens=max_tokens, temperature=0.0, **generate_kwargs)
     a = plain.generate(
         prompt, max_tokens=max_tokens, temperature=0.0, on_round=record(ref), **generate_kwargs
     )
     b = spec.generate(
-        prompt, max_tokens=max_tokens, temperature=0.0, on_round=record(got), **generate_kwargs
+        prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        on_round=record(got),
+        **generate_kwargs,
     )
-    assert a.tokens == b.tokens, f"streams differ:\n  plain: {a.tokens}\n  spec:  {b.tokens}"
+    assert a.tokens == user.tokens, (
+        f"the recorded plain run differs from plain decoding:\n"
+        f"  plain:    {user.tokens}\n  recorded: {a.tokens}"
+    )
+    assert user.tokens == b.tokens, f"streams differ:\n  plain: {user.tokens}\n  spec:  {b.tokens}"
     if require_drafts:
-        assert b.stats.drafted > 0 and b.stats.accepted > 0, (
-            "speculation did not run (nothing drafted/accepted)"
-        )
+        _require_drafts(b.stats.drafted, b.stats.accepted)
     worst = 0.0
-    for n, views in got.items():
-        if n not in ref:
-            continue
-        for layer, (r, g) in enumerate(zip(ref[n], views)):
+    compared = [n for n in sorted(got) if n in ref]
+    assert compared, (
+        f"no round was compared: the speculative run's rounds ended at {sorted(got)} tokens, "
+        f"the plain run's at {sorted(ref)}"
+    )
+    for n in compared:
+        r_views, g_views = ref[n], got[n]
+        assert len(r_views) == len(g_views), (
+            f"after {n} tokens: {len(g_views)} caches, plain decoding has {len(r_views)}"
+        )
+        for layer, (r, g) in enumerate(zip(r_views, g_views)):
             worst = max(worst, _compare_views(r, g, atol, f"after {n} tokens, layer {layer}"))
     return worst
 
 
-def _exact_joint(
-    model: Any, prompt: list[int], sampler: Sampler, depth: int, floor: float = 1e-6
-) -> dict:
-    from mlx_lm.models.cache import make_prompt_cache
+def _plain_next_logits(plain: Any, tokens: list[int]) -> mx.array:
+    """The logits ``[1, V]`` the plain pipeline ``plain`` samples its first token from after ``tokens``."""
+    seen: list = []
 
+    def capture(history: mx.array, logits: mx.array) -> mx.array:
+        seen.append(logits)
+        return logits
+
+    plain.generate(tokens, max_tokens=1, temperature=0.0, logits_processors=[capture])
+    assert len(seen) == 1, f"the plain path computed next-token logits {len(seen)} times"
+    return seen[0].reshape(1, -1)
+
+
+def _exact_joint(
+    model: Any,
+    prompt: list[int],
+    sampler: Sampler,
+    depth: int,
+    floor: float = 1e-6,
+    tokenizer: Any = None,
+) -> dict:
+    """The target's exact joint distribution of the next ``depth`` tokens (above ``floor``),
+    from the logits of the plain path users get."""
+    plain = _plain(model, tokenizer)
     out: dict[tuple, float] = {}
 
     def rec(prefix: tuple, prob: float) -> None:
         if len(prefix) == depth:
             out[prefix] = prob
             return
-        cache = make_prompt_cache(model)
-        logits = model(mx.array(prompt + list(prefix))[None], cache=cache)[0, -1:]
+        logits = _plain_next_logits(plain, prompt + list(prefix))
         p = np.array(sampler.probs(logits.astype(mx.float32))[0])
         for t in np.nonzero(p * prob > floor)[0]:
             rec(prefix + (int(t),), prob * float(p[t]))
@@ -335,7 +430,7 @@ def check_sampled_distribution(
     _, spec = _pipes(model, policy, tokenizer)
     prompt = list(prompt_tokens)
     sampler = Sampler(temperature=temperature, seed=0, **sampler_kwargs)
-    exact = _exact_joint(model, prompt, sampler, max_tokens)
+    exact = _exact_joint(model, prompt, sampler, max_tokens, tokenizer=tokenizer)
     counts: Counter = Counter()
     drafted = accepted = 0
     for seed in range(n_samples):
@@ -350,9 +445,7 @@ def check_sampled_distribution(
         drafted += out.stats.drafted
         accepted += out.stats.accepted
     if require_drafts:
-        assert drafted > 0 and accepted > 0, (
-            f"speculation did not run (drafted={drafted}, accepted={accepted})"
-        )
+        _require_drafts(drafted, accepted)
     p = chi_square_p_value(counts, exact, n_samples)
     assert p > alpha, (
         f"sampled distribution differs from the target's: chi-square p={p:.3g} (alpha={alpha})"
@@ -369,9 +462,18 @@ def check_sampled_identity(
     max_tokens: int = 16,
     temperature: float = 1.0,
     tokenizer: Any = None,
+    require_drafts: bool = True,
     **sampler_kwargs: Any,
 ) -> dict:
-    """Assert seeded sampled runs with deterministic drafts emit exactly the tokens of the seeded plain run."""
+    """Assert seeded sampled runs with deterministic drafts emit exactly the tokens of the seeded plain run.
+
+    Returns:
+        ``{"drafted", "accepted", "target_forwards", "plain_forwards", "runs"}`` summed over seeds.
+
+    Raises:
+        AssertionError: on the first difference, or if ``require_drafts`` and nothing
+            was drafted and accepted over all seeds.
+    """
     plain, spec = _pipes(model, policy, tokenizer)
     prompt = list(prompt_tokens)
     totals = Counter()
@@ -388,6 +490,8 @@ def check_sampled_identity(
                 f"{_first_diff(a.tokens, b.tokens)}:\n  plain: {a.tokens}\n  spec:  {b.tokens}"
             )
         _add(totals, b.stats, a.stats)
+    if require_drafts:
+        _require_drafts(totals["drafted"], totals["accepted"])
     return dict(totals)
 
 
@@ -398,12 +502,17 @@ def check_fewer_forwards(
     *,
     max_tokens: int = 32,
     tokenizer: Any = None,
+    require_drafts: bool = True,
     **generate_kwargs: Any,
 ) -> tuple[int, int]:
     """Assert ``policy`` needs fewer target forwards than plain decoding for the same output.
 
     Returns:
         ``(plain_forwards, spec_forwards)``.
+
+    Raises:
+        AssertionError: if the outputs differ, with ``require_drafts`` if nothing was
+            drafted and accepted, or if there were not fewer forwards.
     """
     plain, spec = _pipes(model, policy, tokenizer)
     a = plain.generate(
@@ -412,7 +521,9 @@ def check_fewer_forwards(
     b = spec.generate(
         list(prompt_tokens), max_tokens=max_tokens, temperature=0.0, **generate_kwargs
     )
-    assert a.tokens == b.tokens, "outputs differ"
+    assert a.tokens == b.tokens, f"outputs differ:\n  plain: {a.tokens}\n  spec:  {b.tokens}"
+    if require_drafts:
+        _require_drafts(b.stats.drafted, b.stats.accepted)
     assert b.stats.target_forwards < a.stats.target_forwards, (
         f"no fewer target forwards: plain {a.stats.target_forwards}, spec {b.stats.target_forwards}"
     )
@@ -421,8 +532,7 @@ def check_fewer_forwards(
 
 def plain_greedy(model: Any, prompt_tokens: Sequence[int], n: int) -> list[int]:
     """Plain greedy continuation of ``prompt_tokens`` (``n`` tokens) through the ``none`` policy."""
-    pipe = assemble(model, None, "none", host=_host_with_oracle())
-    return pipe.generate(list(prompt_tokens), max_tokens=n, temperature=0.0).tokens
+    return _plain(model).generate(list(prompt_tokens), max_tokens=n, temperature=0.0).tokens
 
 
 def copy_heavy_prompt(model: Any, seed_tokens: Sequence[int], n: int = 24) -> list[int]:

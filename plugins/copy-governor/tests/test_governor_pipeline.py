@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import shutil
 import subprocess
 
 import pytest
 import specdec
-from specdec.testing import check_greedy_identity, make_tiny_model, plugin_host
+from specdec.testing import (
+    check_greedy_identity,
+    make_tiny_model,
+    plugin_host,
+    require_command,
+    require_installed,
+)
 
 PROMPT = [5, 17, 3, 42, 8, 23, 11, 60, 2, 31]
 
@@ -52,10 +56,8 @@ def blocks_of(pipe, prompt, max_tokens):
 
 
 def test_installed_through_entry_point():
-    try:
-        dist = importlib.metadata.distribution("specdec-plugin-copy-governor")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("specdec-plugin-copy-governor is not installed")
+    # require_installed skips when the tests run from a source tree, and fails under CI
+    dist = require_installed("specdec-plugin-copy-governor")
     eps = [ep for ep in dist.entry_points if ep.group == "specdec"]
     assert [(ep.name, ep.value) for ep in eps] == [
         ("copy_governor", "specdec_copy_governor.plugin")
@@ -66,14 +68,12 @@ def test_installed_through_entry_point():
 
 
 def test_listed_by_specdec_plugins():
-    exe = shutil.which("specdec")
-    if exe is None:
-        pytest.skip("the specdec command is not installed")
+    require_installed("specdec-plugin-copy-governor")
+    exe = require_command("specdec")
     out = subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     plugins = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
-    if "specdec-plugin-copy-governor" not in plugins:
-        pytest.skip("specdec-plugin-copy-governor is not installed")
+    assert "specdec-plugin-copy-governor" in plugins, sorted(plugins)
     assert plugins["specdec-plugin-copy-governor"]["components"] == {"governor": ["copy_governor"]}
 
 

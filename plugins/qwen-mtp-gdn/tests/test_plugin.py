@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-
+import mlx.core as mx
 import pytest
 import specdec
 from gdn_support import NGRAM, copy_model, copy_prompt
+from specdec.testing import require_installed
 from specdec_qwen_mtp_gdn import STRATEGIES, GatedDeltaRollback, default_strategy
 
 
 def test_entry_point_is_installed():
-    eps = importlib.metadata.entry_points(group="specdec")
-    ep = next(e for e in eps if e.name == "qwen_mtp_gdn")
-    assert ep.value == "specdec_qwen_mtp_gdn.plugin"
-    assert ep.dist.name == "specdec-plugin-qwen-mtp-gdn"
+    # require_installed skips when the tests run from a source tree, and fails under CI
+    dist = require_installed("specdec-plugin-qwen-mtp-gdn")
+    eps = [(ep.name, ep.value) for ep in dist.entry_points if ep.group == "specdec"]
+    assert eps == [("qwen_mtp_gdn", "specdec_qwen_mtp_gdn.plugin")]
 
 
 def test_rollback_is_registered_by_the_distribution():
@@ -26,10 +26,28 @@ def test_rollback_is_registered_by_the_distribution():
     assert mine and mine[0]["components"] == {"cache_rollback": ["gdn_transaction"]}
 
 
-def test_default_strategy_is_capture_where_the_ops_recurrence_runs():
-    assert default_strategy() == "capture"  # CPU here; the Metal kernel path picks tape
-    assert GatedDeltaRollback().strategy == "capture"
-    assert GatedDeltaRollback().name == "gdn_transaction:capture"
+def platform_default_strategy() -> str:
+    """The documented default: ``tape`` where mlx-lm's fused Metal GDN kernel runs (the
+    Metal GPU), ``capture`` where its ops recurrence runs (CPU, CUDA)."""
+    return "tape" if mx.metal.is_available() and mx.default_device() == mx.gpu else "capture"
+
+
+def test_default_strategy_is_the_platforms():
+    expected = platform_default_strategy()
+    assert default_strategy() == expected
+    assert GatedDeltaRollback().strategy == expected
+    assert GatedDeltaRollback(strategy="auto").name == f"gdn_transaction:{expected}"
+
+
+def test_default_strategy_follows_the_default_device():
+    """With the CPU as default device mlx-lm runs the ops recurrence on every platform: capture."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        assert default_strategy() == "capture"
+        assert GatedDeltaRollback().name == "gdn_transaction:capture"
+    finally:
+        mx.set_default_device(previous)
 
 
 def test_bad_strategy_is_a_policy_error():
@@ -62,4 +80,4 @@ def test_stats_say_which_strategy_ran(strategy):
 def test_auto_picks_the_plugin_for_gdn_layers_and_kv_trim_for_attention():
     model = copy_model("qwen3_5")
     out = specdec.assemble(model, policy=NGRAM).generate(list(copy_prompt("qwen3_5")), max_tokens=4)
-    assert out.stats.rollbacks == ["gdn_transaction:capture", "kv_trim"]
+    assert out.stats.rollbacks == [f"gdn_transaction:{platform_default_strategy()}", "kv_trim"]
