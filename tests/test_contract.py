@@ -436,9 +436,7 @@ def test_stats_report_the_loops_own_time(models, copy_prompts):
     )
     s = out.stats
     assert 0 < s.wait_time_s <= s.decode_time_s
-    assert s.loop_overhead_s == pytest.approx(
-        (s.decode_time_s - s.wait_time_s) / s.target_forwards
-    )
+    assert s.loop_overhead_s == pytest.approx((s.decode_time_s - s.wait_time_s) / s.target_forwards)
     assert "loop_overhead_s" in s.to_dict()
 
 
@@ -477,7 +475,9 @@ def test_type_error_inside_a_factory_is_not_reported_as_bad_options():
     with plugin_host(P()) as host:
         with pytest.raises(TypeError, match="a bug inside the factory"):
             host.create("drafter", "buggy", {"block": 2})
-        with pytest.raises(specdec.PolicyError, match=r"bad options.*accepted options are \['block'\]"):
+        with pytest.raises(
+            specdec.PolicyError, match=r"bad options.*accepted options are \['block'\]"
+        ):
             host.create("drafter", "buggy", {"nope": 2})
 
 
@@ -545,3 +545,14 @@ def test_public_rollback_api(models):
     models["gemma3"](mx.array([[1, 2, 3]]), cache=caches)
     txn.commit(3, 1)
     assert caches[0].offset == 1
+
+
+def test_batch_policy_with_a_component_that_cannot_batch_fails_before_model_work():
+    with plugin_host() as host, pytest.raises(specdec.PolicyError) as e:
+        specdec.assemble(
+            "/no/such/model", policy={"drafters": ["oracle"], "max_batch": 4}, host=host
+        )
+    msg = str(e.value)
+    assert "max_batch=4" in msg and "drafter 'oracle'" in msg and "supports_batch" in msg
+    with pytest.raises(specdec.PolicyError, match="max_batch must be an integer >= 1"):
+        specdec.Policy(max_batch=0)

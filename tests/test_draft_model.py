@@ -45,16 +45,32 @@ def test_draft_cache_tracks_the_committed_prefix(models, copy_prompts):
     draft = make_tiny_model("llama", seed=3)
     pipe = specdec.assemble(target, policy=_policy(draft, 5))
     d = pipe.drafters[0]
+    sessions = []
+    make = d.session
+    d.session = lambda ctx: sessions.append(make(ctx)) or sessions[-1]
     offsets = []
 
     def rec(result, caches):
         # the draft cache never holds more than the committed history minus the last token
-        offsets.append((d._cache[0].offset, d._fed, result.start_position + len(result.committed)))
+        s = sessions[-1]
+        offsets.append((s.cache[0].offset, s.fed, result.start_position + len(result.committed)))
 
     out = pipe.generate(copy_prompts["llama"], max_tokens=20, on_round=rec)
     assert out.stats.drafted > 0
     for off, fed, hist in offsets:
         assert off == fed <= hist
+
+
+def test_num_draft_tokens_is_the_block_drafted_per_round(models, copy_prompts):
+    target = models["llama"]
+    rounds = []
+    pipe = specdec.assemble(target, policy=_policy(target, 3))
+    out = pipe.generate(
+        copy_prompts["llama"], max_tokens=24, on_round=lambda r, c: rounds.append(r)
+    )
+    drafted = [len(r.block) for r in rounds if r.drafter == "draft_model"]
+    assert drafted and all(n == 3 for n in drafted[:-1]) and drafted[-1] <= 3
+    assert out.stats.per_drafter["draft_model"]["num_draft_tokens"] == 3
 
 
 def test_draft_model_from_assemble_shorthand(models, copy_prompts):

@@ -183,6 +183,25 @@ def _check_needs(host: PluginHost, policy: Policy, drafter: str, needs: Any) -> 
     )
 
 
+def _check_batch(host: PluginHost, policy: Policy) -> None:
+    """Refuse ``max_batch > 1`` when a component of the policy cannot run rows of a batch."""
+    wanted = [("drafter", n) for n in policy.drafters] + [("verifier", policy.verifier)]
+    if policy.governor:
+        wanted.append(("governor", policy.governor))
+    for role, name in wanted:
+        info = host.get(role, name)
+        if getattr(info.factory, "supports_batch", False):
+            continue
+        able = [
+            n for n in host.names(role) if getattr(host.get(role, n).factory, "supports_batch", False)
+        ]
+        raise PolicyError(
+            f"policy {policy.name!r} asks for max_batch={policy.max_batch}, but {role} {name!r} "
+            f"({info.distribution}) does not support batched rows (supports_batch is not set); "
+            f"installed {role}s that do: {', '.join(able) or '(none)'}; use max_batch = 1"
+        )
+
+
 def _is_lazy(block: Any) -> bool:
     return not isinstance(block, tuple)
 
@@ -651,9 +670,8 @@ class Pipeline:
                 raise RuntimeError(
                     f"acceptor {rnd.acceptor!r} accepted {n_acc} of a {len(rnd.block)}-token block"
                 )
+            # Lazy: the next forward evaluates what the rollback built (no second sync).
             rnd.txn.commit(rnd.n_fed, n_acc + 1)
-            # Settle the rolled-back caches on the device while the host goes on.
-            mx.async_eval([c.state for c in row.caches])
         except BaseException:
             rnd.txn.abort()
             raise
@@ -826,6 +844,8 @@ def assemble(
     if pol.governor:
         h.get("governor", pol.governor)
     h.get("verifier", pol.verifier)
+    if pol.max_batch > 1:
+        _check_batch(h, pol)
     if pol.acceptor != AUTO:
         h.get("acceptor", pol.acceptor)
     if pol.rollback != AUTO:

@@ -101,6 +101,9 @@ class Policy:
         rollback: ``"auto"`` (per cache type) or a cache-rollback name used for every layer.
         max_block: the largest block verified in one forward.
         min_block: blocks shorter than this are not verified (plain step instead).
+        max_batch: the most requests decoded together as rows of one batch (1: one
+            at a time). Above 1, every drafter, the governor and the verifier must
+            declare ``supports_batch = True``; ``assemble`` refuses the policy otherwise.
         options: per-component options, ``{component_name: {option: value}}``.
     """
 
@@ -114,6 +117,7 @@ class Policy:
     rollback: str = attrs.field(default=AUTO, validator=_check_name)
     max_block: int = attrs.field(default=16, validator=_check_positive)
     min_block: int = attrs.field(default=1, validator=_check_positive)
+    max_batch: int = attrs.field(default=1, validator=_check_positive)
     options: dict = attrs.field(factory=dict, converter=_freeze_options, hash=False)
 
     def __attrs_post_init__(self) -> None:
@@ -131,6 +135,7 @@ class Policy:
         "rollback",
         "max_block",
         "min_block",
+        "max_batch",
         "options",
     )
 

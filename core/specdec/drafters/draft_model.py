@@ -20,7 +20,14 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import ModelLoadError, PolicyError
 from ..heads import model_vocab_size
-from ..roles import BaseDrafter, BaseDrafterSession, Draft, RequestContext, RoundResult
+from ..roles import (
+    BaseDrafter,
+    BaseDrafterSession,
+    Draft,
+    PrefillChunk,
+    RequestContext,
+    RoundResult,
+)
 from ..rollback import rollback_plan
 from ..sampling import STREAM_DRAFT
 
@@ -101,6 +108,14 @@ class DraftModelSession(BaseDrafterSession):
         self.pending: tuple | None = None
         self.rounds = 0
 
+    def prefill(self, chunk: PrefillChunk) -> None:
+        """Prefill the draft cache with the prompt, chunk by chunk, as the target is prefilled."""
+        if chunk.start_position != self.fed:
+            return  # not contiguous: propose() feeds what is missing
+        self.model(mx.array(chunk.tokens)[None], cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.fed += len(chunk.tokens)
+
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
         """Feed the unseen history, then draft up to ``min(max_len, num_draft_tokens)`` tokens (lazily)."""
         n = min(max_len, self.num_draft_tokens)
@@ -109,10 +124,13 @@ class DraftModelSession(BaseDrafterSession):
         pending = list(history[self.fed :])
         if not pending:  # the last token must be fed to get a next-token distribution
             raise RuntimeError("draft_model: history is not ahead of the draft cache")
-        if len(pending) > 1:  # committed tokens: outside the transaction
+        if len(pending) > 2:  # a long unseen stretch: outside the transaction
             self.model(mx.array(pending[:-1])[None], cache=self.cache)
             self.fed += len(pending) - 1
             pending = pending[-1:]
+        # The one or two committed tokens the draft cache has not seen (after a fully
+        # accepted block: the last draft and the bonus token) go in with the first draft
+        # step, one forward, as in mlx-lm; commit() keeps them whatever is rejected.
         txn = self.plan.begin()
         try:
             y = mx.array(pending)
