@@ -67,14 +67,19 @@ def test_oracle_corruption_modes(models):
     m = models["llama"]
     h = copy_heavy_prompt(m, [3, 17, 42, 9, 28, 5, 61, 11], 8)
     truth = plain_greedy(m, h, 6)
-    assert OracleDrafter(model=m, block=6).propose(h, 6).tokens == tuple(truth)
-    full = OracleDrafter(model=m, corruption="full", block=6).propose(h, 6).tokens
+
+    def propose(history, n, **options):
+        return OracleDrafter(**options).session(None).propose(history, n)
+
+    assert propose(h, 6, model=m, block=6).tokens == tuple(truth)
+    full = propose(h, 6, model=m, corruption="full", block=6).tokens
     assert all(a != b for a, b in zip(full, truth))
-    part = OracleDrafter(model=m, corruption="partial", block=6).propose(h, 6).tokens
+    part = propose(h, 6, model=m, corruption="partial", block=6).tokens
     assert sum(a != b for a, b in zip(part, truth)) == 1
-    ref = OracleDrafter(reference=h + truth, vocab_size=64)
+    ref = OracleDrafter(reference=h + truth, vocab_size=64).session(None)
     assert ref.propose(h, 3).tokens == tuple(truth[:3])
     assert ref.propose([1, 2], 3) is None
+    assert ref.stats() == {"proposals": 1}
     with pytest.raises(ValueError, match="corruption must be one of"):
         OracleDrafter(model=m, corruption="some")
 
