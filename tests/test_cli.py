@@ -21,7 +21,7 @@ import pytest
 import specdec
 from core_support import write_random_llama
 from specdec import blas
-from specdec.cli import format_stats_line, main
+from specdec.cli import build_parser, build_policy, format_stats_line, main
 
 WORDS = (
     "user assistant system : . , the a cat dog sat on mat and ran to house "
@@ -316,6 +316,8 @@ def test_console_script_doctor_and_plugins():
         (["--policy", "/nonexistent/policy.toml"], "cannot read policy file"),
         (["--num-draft-tokens", "0"], "--num-draft-tokens"),
         (["--draft-model", "/nonexistent/draft"], "--draft-model"),
+        (["--num-draft-tokens", "3"], "no draft_model drafter"),
+        (["--policy", "copy", "--num-draft-tokens", "3"], "--draft-model"),
     ],
 )
 def test_generate_bad_input(capsys, no_model_loading, tiny_model, args, needle):
@@ -459,6 +461,62 @@ def test_generate_draft_model_accepts_everything_and_keeps_text(capsys, tiny_mod
     assert st["acceptance_rate"] == pytest.approx(1.0)
     assert st["tokens_per_forward"] > 1.0
     assert "draft_model" in st["per_drafter"]
+
+
+def _generate_policy(*argv: str):
+    """The policy ``specdec generate ARGV`` runs (nothing is loaded)."""
+    return build_policy(build_parser().parse_args(["generate", *argv]))
+
+
+@pytest.mark.parametrize("policy", ["none", "draft", "copy"])
+@pytest.mark.parametrize("n", [1, 6, 20])
+def test_num_draft_tokens_sets_the_draft_model_drafter(tiny_model, policy, n):
+    """--num-draft-tokens N: the draft_model drafter drafts N per round (its option), and
+    max_block lets a block of N through (it used to set only max_block, leaving the
+    drafter at its default 4)."""
+    base = specdec.load_policy(policy)
+    pol = _generate_policy(
+        "--policy", policy, "--draft-model", str(tiny_model), "--num-draft-tokens", str(n)
+    )
+    assert "draft_model" in pol.drafters
+    opts = pol.options_for("draft_model")
+    assert opts["num_draft_tokens"] == n
+    assert opts["model"] == str(tiny_model)
+    assert pol.max_block == max(base.max_block, n)
+    assert pol.min_block <= n
+    # without the flag the drafter keeps its own default and the policy its blocks
+    plain = _generate_policy("--policy", policy, "--draft-model", str(tiny_model))
+    assert "num_draft_tokens" not in plain.options_for("draft_model")
+    assert (plain.max_block, plain.min_block) == (base.max_block, base.min_block)
+
+
+def test_num_draft_tokens_drafts_that_many_per_round(capsys, tiny_model, reference):
+    """End to end: with the draft model equal to the target every draft is accepted, so
+    every round drafts exactly N (more than the drafter's default 4, which the old
+    mapping left in place: 3 rounds of 4 here)."""
+    # the prompt's forward gives the first token, then two rounds of 6 drafted + 1 bonus
+    n, max_tokens = 6, 15
+    rc, out, err = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_model),
+        "--draft-model",
+        str(tiny_model),
+        "--num-draft-tokens",
+        str(n),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        str(max_tokens),
+        "--json",
+    )
+    assert rc == 0, err
+    obj = json.loads(out)
+    assert obj["text"] == reference(max_tokens)
+    pd = obj["stats"]["per_drafter"]["draft_model"]
+    assert pd["rounds"] >= 1 and pd["accepted"] == pd["drafted"], pd
+    assert pd["drafted"] == n * pd["rounds"], pd  # N drafted per round
 
 
 def test_generate_prompt_from_stdin(capsys, tiny_model, monkeypatch, reference):

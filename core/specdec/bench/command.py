@@ -11,13 +11,13 @@ import os
 import sys
 from typing import Any, TextIO
 
-from ..cli import (
+from ..cli.common import (
     EXIT_OK,
     CliError,
-    _check_model_spec,
-    _check_policy_components,
-    _default_model,
-    _print_json,
+    check_model_spec,
+    check_policy_components,
+    default_model,
+    print_json,
 )
 from .plot import MATPLOTLIB_MISSING, matplotlib_available, plot_results
 from .progress import Progress
@@ -252,7 +252,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     temps = list(dict.fromkeys(float(t) for t in temps))
     workloads = get_workloads(args.workload)
     policy = specdec.load_policy(args.policy)
-    _check_policy_components(policy)
+    check_policy_components(policy)
     policies = [policy]
     swept = None  # the swept component's name
     if args.sweep is not None:
@@ -265,11 +265,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CliError(MATPLOTLIB_MISSING)
     if args.details is not None:
         args.details = _check_output_path(args.details, "--details")
-    model_spec = _check_model_spec(args.model, "--model") if args.model else None
+    model_spec = check_model_spec(args.model, "--model") if args.model else None
     if args.random_weights and model_spec is None:
         raise CliError("--random-weights needs --model FOLDER (a folder with a config.json)")
     if model_spec is None:
-        model_spec = _default_model()
+        model_spec = default_model()
     from ..loading import check_model_path, load_model
 
     check_model_path(model_spec, random_weights=args.random_weights)
@@ -326,7 +326,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _warn_unused_rollback(swept, results)
     table = format_table(results, baseline=args.baseline)
     if args.json:
-        _print_json([r.record() for r in results])
+        print_json([r.record() for r in results])
         _emit(table, sys.stderr)
     else:
         _emit(table, sys.stdout)

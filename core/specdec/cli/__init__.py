@@ -1,0 +1,140 @@
+"""The ``specdec`` command: ``generate``, ``bench``, ``plugins``, ``doctor``.
+
+Every error that comes from bad input (a flag value, a policy, a model path)
+is one line ``specdec: error: ...`` on stderr and exit status 2, before any
+model is loaded. ``SPECDEC_DEBUG=1`` shows the traceback as well.
+
+Layout: :mod:`specdec.cli.common` holds what the subcommands share (exit
+codes, :class:`CliError`, JSON output, model-spec and policy checks);
+:mod:`specdec.cli.generate` and :mod:`specdec.cli.info` (``plugins``,
+``doctor``) are subcommands, as is :mod:`specdec.bench.command` (``bench``).
+This module builds the parser and runs :func:`main`, the console script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import blas
+from .common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROG,
+    CliError,
+    Parser,
+    debug_enabled,
+    print_error,
+)
+from .generate import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PROMPT,
+    add_generate_parser,
+    build_policy,
+    cmd_generate,
+    format_stats_line,
+)
+from .info import add_doctor_parser, add_plugins_parser, cmd_doctor, cmd_plugins, doctor_report
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_PROMPT",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "PROG",
+    "SUBCOMMANDS",
+    "CliError",
+    "build_parser",
+    "build_policy",
+    "cmd_bench",
+    "cmd_doctor",
+    "cmd_generate",
+    "cmd_plugins",
+    "doctor_report",
+    "format_stats_line",
+    "main",
+]
+
+
+# -- bench (specdec.bench, imported only when the command runs) -----------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..bench.command import cmd_bench as run
+
+    return run(args)
+
+
+def _add_bench(sub: Any) -> None:
+    from ..bench.command import add_bench_parser
+
+    add_bench_parser(sub, func=cmd_bench)
+
+
+# -- the parser ----------------------------------------------------------------
+
+#: Subcommands, in --help order.
+SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
+    add_generate_parser,
+    _add_bench,
+    add_plugins_parser,
+    add_doctor_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import specdec
+
+    parser = Parser(
+        prog=PROG,
+        description="Plugin-based speculative decoding for MLX.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {specdec.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``specdec`` command; returns the exit status.
+
+    With ``argv=None`` (the console script) the process may first re-execute
+    itself with a fast BLAS preloaded (see :mod:`specdec.blas`).
+    """
+    if argv is None:
+        blas.reexec_with_fast_blas()
+        argv = sys.argv[1:]
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    import specdec
+
+    try:
+        return int(args.func(args) or 0)
+    except (CliError, specdec.SpecdecError) as exc:
+        if debug_enabled():
+            traceback.print_exc()
+        print_error(str(exc))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print_error("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # stdout closed early (e.g. piped into head): stop quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_OK

@@ -1,0 +1,192 @@
+"""``specdec plugins`` and ``specdec doctor``: what is installed and what specdec runs on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from typing import Any
+
+from .. import blas
+from .common import EXIT_OK, fmt, print_json
+
+__all__ = [
+    "add_doctor_parser",
+    "add_plugins_parser",
+    "cmd_doctor",
+    "cmd_plugins",
+    "doctor_report",
+    "format_doctor",
+    "format_plugins",
+]
+
+
+def add_plugins_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plugins",
+        help="list installed plugins, their components and load failures",
+        description="List installed specdec plugins, their components and load failures.",
+    )
+    p.add_argument("--all", action="store_true", help="include the built-in components")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plugins)
+
+
+def format_plugins(info: dict, *, include_builtins: bool) -> str:
+    lines = [f"specdec-core {info.get('core_version', '?')}"]
+    plugins = info.get("plugins", [])
+    if plugins:
+        lines.append("plugins:")
+        for p in plugins:
+            lines.append(f"  {p['name']}  ({p['distribution']} {p['version']})")
+            for role, names in sorted(p.get("components", {}).items()):
+                lines.append(f"    {role}: {', '.join(names)}")
+    elif include_builtins:
+        lines.append("plugins: none")
+    else:
+        lines.append("plugins: no third-party plugins installed (--all shows the built-ins)")
+    failures = info.get("failures", [])
+    if failures:
+        lines.append("failed to load:")
+        for f in failures:
+            lines.append(
+                f"  {f['entry_point']}  ({f['distribution']} {f['version']}, "
+                f"core {f['core_version']}): {f['error']}"
+            )
+    return "\n".join(lines)
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    import specdec
+
+    info = specdec.get_plugin_host().to_dict(include_builtins=args.all)
+    if args.json:
+        print_json(info)
+    else:
+        print(format_plugins(info, include_builtins=args.all), flush=True)
+    return EXIT_OK
+
+
+# -- doctor --------------------------------------------------------------------
+
+
+def add_doctor_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="versions, device, BLAS in use, matmul speed, plugins",
+        description="Report what specdec runs on: versions, device, BLAS and its speed, plugins.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_doctor)
+
+
+def _dist_version(name: str) -> str | None:
+    import importlib_metadata
+
+    try:
+        return importlib_metadata.version(name)
+    except importlib_metadata.PackageNotFoundError:
+        return None
+
+
+def doctor_report() -> dict:
+    """Everything ``specdec doctor`` reports, as a JSON-able dict."""
+    import mlx.core as mx
+
+    import specdec
+
+    host_info = specdec.get_plugin_host().to_dict(include_builtins=True)
+    try:
+        metal = bool(mx.metal.is_available())
+    except Exception:
+        metal = False
+    try:
+        cuda = bool(mx.cuda.is_available())  # type: ignore[attr-defined]
+    except Exception:
+        cuda = False
+    blas_info = blas.blas_report(measure=True)
+    advice = []
+    if blas_info["active_is_reference"] and sys.platform.startswith("linux"):
+        if blas_info["fast_blas_disabled"]:
+            advice.append(f"{blas.ENV_DISABLE} is set: unset it to use a fast BLAS")
+        elif not blas_info["fast_blas_candidates"]:
+            advice.append(
+                "mlx uses its bundled reference BLAS (slow on the CPU); install OpenBLAS: "
+                "apt-get install -y libopenblas0-pthread"
+            )
+        else:
+            advice.append(
+                "a fast BLAS is installed but not in use: import specdec before mlx, or set "
+                f"LD_PRELOAD={blas_info['fast_blas_candidates'][0]}"
+            )
+    return {
+        "specdec_core": specdec.__version__,
+        "python": {
+            "version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "executable": sys.executable,
+        },
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "mlx": getattr(mx, "__version__", None) or _dist_version("mlx"),
+        "mlx_cpu": _dist_version("mlx-cpu"),
+        "mlx_lm": _dist_version("mlx-lm"),
+        "device": str(mx.default_device()),
+        "metal_available": metal,
+        "cuda_available": cuda,
+        "blas": blas_info,
+        "matmul_gflops": blas_info.get("matmul_gflops"),
+        "plugins": [
+            {"name": p["name"], "distribution": p["distribution"], "version": p["version"]}
+            for p in host_info["plugins"]
+        ],
+        "plugin_failures": host_info["failures"],
+        "advice": advice,
+    }
+
+
+def format_doctor(r: dict) -> str:
+    b = r["blas"]
+    st = b.get("ensure_fast_blas") or {}
+    lines = [
+        f"specdec-core  {r['specdec_core']}",
+        f"python        {r['python']['version']} ({r['python']['executable']})",
+        f"platform      {r['platform']}, {r['cpu_count']} CPUs",
+        f"mlx           {r['mlx']}" + (f" (mlx-cpu {r['mlx_cpu']})" if r["mlx_cpu"] else ""),
+        f"mlx-lm        {r['mlx_lm']}",
+        f"device        {r['device']}"
+        + (" (metal available)" if r["metal_available"] else "")
+        + (" (cuda available)" if r["cuda_available"] else ""),
+        f"blas in use   {b['active'] or 'unknown'}"
+        + (" (reference BLAS: slow)" if b["active_is_reference"] else ""),
+        f"blas mapped   {', '.join(b['loaded_libraries']) or 'none found'}",
+        f"fast blas     {st.get('action', 'not attempted')}: {st.get('reason', '')}",
+        f"matmul        {fmt(b.get('matmul_gflops'), '.1f')} GFLOP/s "
+        f"(1024x1024 float32, CPU; max error vs numpy {fmt(b.get('matmul_max_abs_error'), '.1e')})",
+        "plugins       "
+        + (
+            ", ".join(f"{p['name']} ({p['distribution']} {p['version']})" for p in r["plugins"])
+            or "none"
+        ),
+    ]
+    if r["plugin_failures"]:
+        lines.append(
+            "failed        "
+            + "; ".join(
+                f"{f['entry_point']} ({f['distribution']} {f['version']}): {f['error']}"
+                for f in r["plugin_failures"]
+            )
+        )
+    for a in r["advice"]:
+        lines.append(f"advice        {a}")
+    return "\n".join(lines)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    report = doctor_report()
+    if args.json:
+        print_json(report)
+    else:
+        print(format_doctor(report), flush=True)
+    return EXIT_OK
