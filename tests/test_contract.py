@@ -360,6 +360,8 @@ def test_draft_head_is_built_once_and_shared(models):
         p2 = specdec.assemble(model, policy=pol, host=host)
     assert p1.heads["needs_hidden"] is p1.heads["needs_hidden_2"] is p2.heads["needs_hidden"]
     assert isinstance(p1.heads["needs_hidden"], specdec.ExactHead)
+    out = p1.generate([1, 2, 3, 4, 1, 2, 3], max_tokens=4)
+    assert out.stats.draft_heads["exact"]["calls"] > 0
 
 
 def test_unknown_draft_head_is_named_with_the_installed_ones(models):

@@ -770,6 +770,10 @@ class Pipeline:
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         if row.governor is not None:
             stats.governor = dict(row.governor.stats())
+        for head in self.heads.values():
+            extra = getattr(head, "stats", None)
+            if callable(extra):
+                stats.draft_heads[head.name] = dict(extra())
         for name, s in row.sessions:
             extra = getattr(s, "stats", None)
             if callable(extra) and name in stats.per_drafter:

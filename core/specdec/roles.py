@@ -134,8 +134,9 @@ class RoundResult:
             capped so ``max_tokens`` is never passed; a stop token inside it ends the stream there).
         verify: the verifier's result for this round (its rows follow ``[last, *block]``).
         start_position: absolute position of ``block[0]`` (and of the first committed token).
-        proposals: ``{drafter: tokens}`` of every session asked this round, the
-            winner's included (a governor can score proposals that were not verified).
+        proposals: ``{drafter: tokens}`` of the sessions that proposed this round. The
+            first acceptable proposal wins and later sessions are not asked, so today
+            this holds the winner's block only (its full proposal, before any cut).
     """
 
     drafter: str | None

@@ -32,6 +32,7 @@ class Stats:
         verifier: the verifier's name.
         rollbacks: names of the cache rollbacks in use.
         governor: the governor's ``stats()`` (empty without a governor).
+        draft_heads: ``{head name: head.stats()}`` of the draft heads the drafters use.
         finish_reason: ``"stop"`` or ``"length"``.
     """
 
@@ -54,6 +55,7 @@ class Stats:
     verifier: str = "logits"
     rollbacks: list = attrs.field(factory=list)
     governor: dict = attrs.field(factory=dict)
+    draft_heads: dict = attrs.field(factory=dict)
     finish_reason: str | None = None
 
     @property
