@@ -486,7 +486,10 @@ def test_type_error_inside_a_factory_is_not_reported_as_bad_options():
 def test_known_providers_exist_in_plugins():
     from specdec.plugins import KNOWN_PROVIDERS
 
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
 
     folders = {}
     for p in (ROOT / "plugins").iterdir():
