@@ -193,7 +193,9 @@ def _check_batch(host: PluginHost, policy: Policy) -> None:
         if getattr(info.factory, "supports_batch", False):
             continue
         able = [
-            n for n in host.names(role) if getattr(host.get(role, n).factory, "supports_batch", False)
+            n
+            for n in host.names(role)
+            if getattr(host.get(role, n).factory, "supports_batch", False)
         ]
         raise PolicyError(
             f"policy {policy.name!r} asks for max_batch={policy.max_batch}, but {role} {name!r} "
