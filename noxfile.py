@@ -76,6 +76,13 @@ def _pytest(session: nox.Session, *paths: str) -> None:
     session.run("pytest", *paths, *session.posargs)
 
 
+def _pip_wheel(session: nox.Session, dest: Path, folders: list[Path]) -> None:
+    """Build a wheel of each distribution folder into ``dest`` (dependencies not built)."""
+    session.run(
+        "python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(dest), *map(str, folders)
+    )
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The core and every plugin (plugins/*, docs/examples/*) installed editable; all tests."""
@@ -155,18 +162,7 @@ def plugin(session: nox.Session, name: str) -> None:
     wheels.mkdir(parents=True)
     siblings = _local_requirements(folder)
     session.install("pip>=23", "wheel")
-    session.run(
-        "python",
-        "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "--wheel-dir",
-        str(wheels),
-        str(ROOT),
-        str(folder),
-        *[str(p) for p in siblings],
-    )
+    _pip_wheel(session, wheels, [ROOT, folder, *siblings])
     plugin_name = _norm(_pyproject(folder)["project"]["name"]).replace("-", "_")
     core_whl = list(wheels.glob("specdec_core-*.whl"))
     plugin_whl = [
@@ -243,16 +239,7 @@ def _build_wheelhouse(session: nox.Session, dest: Path) -> list[Path]:
     shutil.copytree(ROOT, stage, ignore=_BUILD_IGNORE)
     folders = [stage / folder.relative_to(ROOT) for folder in local.values()]
     session.install("pip>=23")
-    session.run(
-        "python",
-        "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "--wheel-dir",
-        str(dest),
-        *[str(f) for f in folders],
-    )
+    _pip_wheel(session, dest, folders)
     wheels = sorted(w for w in dest.glob("*.whl") if _wheel_distribution(w) in local)
     built = sorted(_wheel_distribution(w) for w in wheels)
     if built != sorted(local):
