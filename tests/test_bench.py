@@ -392,10 +392,12 @@ def test_run_bench_compares_draft_model_with_mlx_lm_speculative(loaded):
     )
     prog.close()
     kinds = ("off", "mlx-lm", "mlx-lm-spec", "on")
+    odd = ("off", "mlx-lm", "on", "mlx-lm-spec")  # odd runs: mlx-lm-spec after the policy
     sampled = ("off", "mlx-lm", "on")  # mlx-lm's speculative runs are greedy only
     assert order == (
         [(k, 0.0, -1) for k in kinds]
-        + [(k, 0.0, i) for i in range(2) for k in kinds]
+        + [(k, 0.0, 0) for k in kinds]
+        + [(k, 0.0, 1) for k in odd]
         + [(k, 1.0, i) for i in range(2) for k in sampled]
     )
     assert prog.done == prog.total == len(order)  # the bench counts its extra runs
@@ -471,15 +473,18 @@ def test_spec_baseline_is_shared_by_policies_with_the_same_pair(loaded):
         tok,
         get_workloads(["prose"]),
         policies=pols,
-        runs=1,
+        runs=2,
         max_tokens=4,
         baseline="mlx-lm",
         warmup=False,
         on_run=lambda kind, w, temp, i: order.append(kind),
     )
-    assert order == ["off", "mlx-lm", "mlx-lm-spec:a", "on:a", "on:b", "mlx-lm-spec:c", "on:c"]
+    assert order == (
+        ["off", "mlx-lm", "mlx-lm-spec:a", "on:a", "on:b", "mlx-lm-spec:c", "on:c"]
+        + ["off", "mlx-lm", "on:a", "on:b", "mlx-lm-spec:a", "on:c", "mlx-lm-spec:c"]
+    )
     a, b, c = res
-    assert a.spec_baseline is b.spec_baseline and len(a.spec_baseline) == 1
+    assert a.spec_baseline is b.spec_baseline and len(a.spec_baseline) == 2
     assert [r.spec_draft_tokens for r in res] == [2, 2, 3]
 
 
