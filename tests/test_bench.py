@@ -609,6 +609,7 @@ def test_cli_draft_model_policy_against_mlx_lm_speculative(capsys, byte_model, t
     assert list(r) == list(RECORD_FIELDS)
     assert r["spec_baseline_tps"] > 0 and r["on_vs_spec_baseline"] > 0
     assert r["spec_baseline_identical"] is True
+    assert "| on / mlx-lm spec | same tokens |" in err  # the table is printed too
 
 
 def test_cli_plot_needs_matplotlib(capsys, no_model_loading, byte_model, tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from ..cli.common import (
 )
 from .plot import MATPLOTLIB_MISSING, matplotlib_available, plot_results
 from .progress import Progress
-from .runner import BASELINES, run_bench, sweep_policies, total_steps
+from .runner import BASELINES, run_bench, spec_baseline_table, sweep_policies, total_steps
 from .workloads import get_workloads, workload_names
 
 DEFAULT_RUNS = 3
@@ -229,6 +229,9 @@ def format_table(results: list, *, baseline: str | None = None) -> str:
                 f"| {d['baseline_tps']:.1f} | {_fmt_ratio(d['none_vs_baseline'])} "
                 f"| {'n/a (sampled)' if same is None else ('yes' if same else 'no')} |"
             )
+    spec = spec_baseline_table(results)
+    if spec:
+        lines += ["", spec]
     return "\n".join(lines)
 
 
