@@ -357,6 +357,7 @@ def test_run_bench_several_policies_share_the_off_runs(loaded):
     for r in res:
         d = r.details()
         assert d["commit_fraction"] == round(r.commit_fraction, 5)
+        assert d["on_loop_overhead_ms"] > 0 and d["off_loop_overhead_ms"] > 0
         assert d["rollbacks"] == ["kv_trim"]
         assert all(s.drafted > 0 for s in r.on)  # the copy prompt gets drafts
         assert r.commit_fraction > 0  # drafted rounds were committed and timed

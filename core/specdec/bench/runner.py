@@ -101,6 +101,8 @@ class RunSample:
             from the request's stats (``None`` for ``mlx-lm``; for ``mlx-lm-spec``
             only ``drafted`` and ``accepted``, counted from mlx-lm's ``from_draft``).
         peak_memory_gb: MLX peak memory during the request.
+        loop_overhead_s: the request's ``stats.loop_overhead_s`` (host time per round
+            outside waiting for the target; ``None`` for mlx-lm runs).
     """
 
     kind: str
@@ -120,6 +122,7 @@ class RunSample:
     verify_time_s: float | None = None
     commit_time_s: float | None = None
     rollbacks: list | None = None
+    loop_overhead_s: float | None = None
 
     def to_dict(self, *, with_output: bool = False) -> dict:
         d = attrs.asdict(self)
@@ -262,6 +265,12 @@ class WorkloadResult:
                 else None
             ),
             commit_fraction=round(self.commit_fraction, 5),
+            off_loop_overhead_ms=round(
+                1e3 * _median([s.loop_overhead_s or 0.0 for s in self.off]), 3
+            ),
+            on_loop_overhead_ms=round(
+                1e3 * _median([s.loop_overhead_s or 0.0 for s in self.on]), 3
+            ),
             rollbacks=self.on[0].rollbacks if self.on else [],
             runs={
                 "off": [s.to_dict(with_output=with_output) for s in self.off],
@@ -311,6 +320,7 @@ def _run_pipeline(
         verify_time_s=float(s.verify_time_s),
         commit_time_s=float(s.commit_time_s),
         rollbacks=list(s.rollbacks),
+        loop_overhead_s=float(s.loop_overhead_s),
     )
 
 
