@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptors import auto_acceptor
 from .errors import ModelLoadError, PolicyError, RequestError, UnknownComponentError
+from .heads import model_vocab_size
 from .plugins import PluginHost, get_plugin_host
 from .policy import AUTO, Policy, load_policy
 from .roles import CAPABILITIES, PrefillChunk, RequestContext, RoundResult
@@ -133,11 +134,6 @@ class _Round:
     lazy_token: Any = None
     n_fed: int = 1
     t_launch: float = 0.0
-
-
-def _vocab_size(model: Any) -> int | None:
-    v = getattr(getattr(model, "args", None), "vocab_size", None)
-    return int(v) if v is not None else None
 
 
 def _provides(host: PluginHost, name: str, options: dict) -> frozenset:
@@ -285,7 +281,7 @@ class Pipeline:
         except UnknownComponentError as exc:
             raise PolicyError(f"drafter {drafter!r}: option head: {exc}") from exc
         head = self.host.draft_head(name, self.policy.options_for(name), self.model)
-        tv, hv = _vocab_size(self.model), getattr(head, "vocab_size", None)
+        tv, hv = model_vocab_size(self.model), getattr(head, "vocab_size", None)
         if tv is not None and hv is not None and int(hv) != tv:
             raise ModelLoadError(
                 f"draft head {name!r} (for drafter {drafter!r}) scores a vocabulary of {hv} "
@@ -332,7 +328,7 @@ class Pipeline:
                 ) from exc
         if not ids:
             raise RequestError("prompt is empty: give at least one token")
-        v = _vocab_size(self.model)
+        v = model_vocab_size(self.model)
         if v is not None:
             bad = [t for t in ids if t < 0 or t >= v]
             if bad:
