@@ -593,7 +593,7 @@ class Pipeline:
                 for p in row.processors:
                     logits = p(row.hist_arr, logits)
             y = sampler.sample_lazy(logits[-1:], position)
-            mx.async_eval(y)
+            self._launch(row, y)
             return _Round(position=position, lazy_token=y, t_launch=time.perf_counter())
         rnd = _Round(position=len(row.history))
         remaining = row.max_tokens - row.n_out
@@ -630,11 +630,20 @@ class Pipeline:
         try:
             rnd.vr = self.verifier.verify(self.model, inputs, row.caches)
             rnd.logits = self._process(rnd.vr.logits, row.history, rnd.block, row.processors)
-            mx.async_eval(rnd.logits)
+            self._launch(row, rnd.logits)
         except BaseException:
             rnd.txn.abort()
             raise
         return rnd
+
+    @staticmethod
+    def _launch(row: _Row, out: mx.array) -> None:
+        """Queue the verify forward. The time is waiting time too: MLX lets only a few
+        tasks be in flight, so on the CPU ``async_eval`` of a whole forward returns only
+        when most of it has run."""
+        t0 = time.perf_counter()
+        mx.async_eval(out)
+        row.stats.wait_time_s += time.perf_counter() - t0
 
     def _finish_round(self, row: _Row, rnd: _Round) -> RoundResult:
         """Read the round back (the one host sync), accept, commit the caches."""

@@ -22,9 +22,10 @@ class Stats:
             time from the verify forward to the acceptance decision, and time to
             commit the caches (rollback) and settle them; rounds with nothing
             drafted and plain pipelined decoding add nothing to either.
-        wait_time_s: host time spent waiting for rounds' results (reading the verify
-            forward's outcome back), every round; the rest of ``decode_time_s`` is the
-            loop's own host work that did not overlap the device.
+        wait_time_s: host time spent waiting for the target, every round: queueing the
+            verify forward (``mx.async_eval``, which returns only when most of a forward
+            has run on the CPU) and reading its outcome back; the rest of
+            ``decode_time_s`` (drafting included) is time outside the verify forward.
         peak_memory_gb: MLX peak memory during the request.
         per_drafter: ``{name: {"rounds", "drafted", "accepted", ...drafter stats}}``.
         speculation_off_reason: why speculation did not run, or ``None``.
