@@ -21,6 +21,8 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from .rollback import temporal_order
+
 
 @attrs.frozen
 class KVView:
@@ -45,16 +47,9 @@ class KVView:
 def _rotating(c: Any) -> KVView | None:
     if c.keys is None:
         return None
-    idx, size, keep = c._idx, c.keys.shape[2], c.keep
-
-    def order(v: mx.array) -> mx.array:
-        if idx == size:
-            return v
-        if idx < c.offset:  # wrapped: [keep] + [idx:] + [keep:idx]
-            return mx.concatenate([v[..., :keep, :], v[..., idx:, :], v[..., keep:idx, :]], axis=2)
-        return v[..., :idx, :]
-
-    k, v = order(c.keys), order(c.values)
+    keep = c.keep
+    k = temporal_order(c.keys, c._idx, c.offset, keep)
+    v = temporal_order(c.values, c._idx, c.offset, keep)
     w = min(c.offset, c.max_size - 1, k.shape[2])
     if keep and w > keep:
         k = mx.concatenate([k[..., :keep, :], k[..., k.shape[2] - (w - keep) :, :]], axis=2)

@@ -65,7 +65,7 @@ class KVTrimRollback:
         return _TrimTransaction(cache)
 
 
-def _temporal(v: Any, idx: int, offset: int, keep: int) -> Any:
+def temporal_order(v: Any, idx: int, offset: int, keep: int) -> Any:
     """``RotatingKVCache._temporal_order`` for a buffer with the given indices."""
     if v is None:
         return None
@@ -96,8 +96,8 @@ class _RotatingTransaction:
         if drop <= 0:
             return
         c = self.cache
-        now_k = _temporal(c.keys, c._idx, c.offset, c.keep)
-        now_v = _temporal(c.values, c._idx, c.offset, c.keep)
+        now_k = temporal_order(c.keys, c._idx, c.offset, c.keep)
+        now_v = temporal_order(c.values, c._idx, c.offset, c.keep)
         if now_k.shape[2] < n_fed:
             raise RuntimeError(
                 f"RotatingKVCache(max_size={c.max_size}) no longer holds the {n_fed} tokens fed since "
@@ -106,8 +106,8 @@ class _RotatingTransaction:
         start = now_k.shape[2] - n_fed
         new_k = now_k[..., start : start + n_keep, :]
         new_v = now_v[..., start : start + n_keep, :]
-        old_k = _temporal(self.keys, self.idx, self.offset, c.keep)
-        old_v = _temporal(self.values, self.idx, self.offset, c.keep)
+        old_k = temporal_order(self.keys, self.idx, self.offset, c.keep)
+        old_v = temporal_order(self.values, self.idx, self.offset, c.keep)
         if old_k is None or old_k.shape[2] == 0:
             c.keys, c.values = new_k, new_v
         else:
