@@ -261,3 +261,202 @@ def test_prefilter_keeps_results_with_edits():
         slow = build(toks, min_n=2, max_n=4, max_edits=1, max_candidates=10_000)
         slow._may_beat = lambda pos, end, best: True  # compare every candidate in full
         assert fast.find() == slow.find(), (trial, toks)
+
+
+# -- frequency-aware continuations ----------------------------------------------------------
+
+
+def brute_force_ranked(
+    tokens, match, count, *, max_n, max_candidates, limit=None, floor=None, min_share=0.0
+):
+    """Reference for ranked_continuation with exact matching (max_edits=0), from its rule.
+
+    Candidates: the ``max_candidates`` most recent indexed occurrences of the last
+    ``match.n`` tokens whose backwards match is >= min(match.length, floor or max_n), plus
+    the match itself. A candidate survives step j when its tokens at offsets < j equal the
+    block so far; the survivors that have a token at offset j vote.
+    """
+    end = len(tokens)
+    stop = end if limit is None else min(limit, end)
+    out, shares = [], []
+
+    def token_at(c, j):
+        src = c + j
+        if src < stop:
+            return tokens[src]
+        return out[src - end] if limit is None else None
+
+    if match.skipped:
+        for j in range(count):
+            t = token_at(match.position, j)
+            if t is None:
+                break
+            out.append(t)
+        return out, [1.0] * len(out)
+    n = match.n
+    need = min(match.length, max_n if floor is None else floor)
+    occurrences = [
+        p
+        for p in range(end - 1, n - 1, -1)
+        if (limit is None or p < limit) and tokens[p - n : p] == tokens[end - n :]
+    ]
+
+    def backwards(p):
+        k = 0
+        while p - 1 - k >= 0 and tokens[p - 1 - k] == tokens[end - 1 - k]:
+            k += 1
+        return k
+
+    cands = [p for p in occurrences[:max_candidates] if p == match.position or backwards(p) >= need]
+    for j in range(count):
+        survivors = [c for c in cands if all(token_at(c, i) == out[i] for i in range(j))]
+        votes = [(c, token_at(c, j)) for c in survivors if token_at(c, j) is not None]
+        if not votes:
+            break
+        tally = {}
+        for _, t in votes:
+            tally[t] = tally.get(t, 0) + 1
+        top = max(tally.values())
+        best = next(t for _, t in votes if tally[t] == top)  # votes are most recent first
+        share = top / len(votes)
+        if j and share < min_share:
+            break
+        out.append(best)
+        shares.append(share)
+    return out, shares
+
+
+def test_ranked_continuation_matches_brute_force_reference():
+    rng = random.Random(4)
+    checked = branched = 0
+    for trial in range(400):
+        vocab = rng.choice([2, 3, 4])
+        toks = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        min_n = rng.choice([1, 2, 3])
+        max_n = rng.choice([min_n, min_n + 1, 5])
+        limit = rng.choice([None, None, rng.randrange(len(toks) + 1)])
+        max_candidates = rng.choice([2, 5, 10_000])
+        floor = rng.choice([None, 1, 2, 4, 100])
+        min_share = rng.choice([0.0, 0.0, 0.5, 0.7, 1.0])
+        count = rng.randrange(1, 14)
+        realign = rng.random() < 0.3
+        idx = build(
+            toks,
+            min_n=min_n,
+            max_n=max_n,
+            limit=limit,
+            max_candidates=max_candidates,
+            realign=realign,
+        )
+        m = idx.find()
+        if m is None:
+            continue
+        got = idx.ranked_continuation(m, count, min_share=min_share, floor=floor)
+        want = brute_force_ranked(
+            toks,
+            m,
+            count,
+            max_n=max_n,
+            max_candidates=max_candidates,
+            limit=limit,
+            floor=floor,
+            min_share=min_share,
+        )
+        assert got == want, (trial, toks, m, count, limit, max_candidates, floor, min_share)
+        assert len(got[0]) == len(got[1]) and 1 <= len(got[0]) <= count
+        checked += 1
+        branched += any(s < 1.0 for s in got[1])
+    assert checked > 250 and branched > 50  # the trials exercise branching points
+
+
+def test_ranked_continuation_most_frequent_beats_most_recent():
+    toks = [1, 2, 7, 8, 1, 2, 7, 8, 1, 2, 9, 9, 1, 2]
+    idx = build(toks, min_n=2, max_n=2)
+    m = idx.find()
+    assert m.position == 10 and idx.continuation(m, 2) == [9, 9]  # the most recent
+    tokens, shares = idx.ranked_continuation(m, 2)
+    assert tokens == [7, 8]  # followed [1, 2] twice
+    assert shares == [2 / 3, 1.0]
+
+
+def test_ranked_continuation_ties_go_to_the_most_recent():
+    idx = build([1, 2, 7, 1, 2, 8, 1, 2], min_n=2, max_n=2)
+    assert idx.ranked_continuation(idx.find(), 1) == ([8], [0.5])
+    idx = build([1, 2, 7, 1, 2, 8, 1, 2, 7, 1, 2, 8, 1, 2], min_n=2, max_n=2)
+    assert idx.ranked_continuation(idx.find(), 1) == ([8], [0.5])  # 2 votes each
+
+
+def test_ranked_continuation_min_share_shortens_the_block_at_the_branch():
+    toks = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4, 5, 0, 1, 2]
+    idx = build(toks, min_n=2, max_n=2)
+    m = idx.find()
+    tokens, shares = idx.ranked_continuation(m, 6)
+    assert tokens == [3, 4, 5, 0, 1, 2]  # on through the branch with the winner
+    assert shares == [1.0, 1.0, 2 / 3, 1.0, 1.0, 1.0]
+    assert idx.ranked_continuation(m, 6, min_share=0.8) == ([3, 4], [1.0, 1.0])
+    assert idx.ranked_continuation(m, 6, min_share=0.6) == (tokens, shares)
+    # The first token is kept whatever its share; past it one candidate is left.
+    idx = build([1, 2, 7, 1, 2, 8, 1, 2], min_n=2, max_n=2)
+    assert idx.ranked_continuation(idx.find(), 3, min_share=0.9) == ([8, 1, 2], [0.5, 1.0, 1.0])
+
+
+def test_ranked_continuation_respects_the_limit():
+    prompt = [1, 2, 7, 8, 3, 1, 2, 7]
+    idx = NgramIndex(2, 2, limit=len(prompt), max_edits=0, realign=False)
+    idx.extend(prompt + [9, 1, 2])  # the output's [1, 2] is not indexed
+    m = idx.find()
+    assert m.position == 7 and idx.continuation(m, 4) == [7]  # stops at the prompt's end
+    # The most recent candidate stops voting at the limit; the older one copies on, and
+    # neither copies past it.
+    tokens, shares = idx.ranked_continuation(m, 10)
+    assert tokens == [7, 8, 3, 1, 2, 7] and shares == [1.0] * 6
+
+
+def test_ranked_continuation_all_agree_gives_shares_of_one():
+    toks = [5, 1, 2, 3, 4, 6, 1, 2, 3, 4, 7, 1, 2]
+    idx = build(toks, min_n=2, max_n=2)
+    m = idx.find()
+    assert idx.ranked_continuation(m, 2) == ([3, 4], [1.0, 1.0]) and idx.continuation(m, 2) == [
+        3,
+        4,
+    ]
+    # A single candidate, copying into itself, equals the plain continuation.
+    idx = build([9, 1, 2, 1, 2], min_n=2, max_n=2)
+    assert idx.ranked_continuation(idx.find(), 5) == ([1, 2, 1, 2, 1], [1.0] * 5)
+    # max_candidates=1 leaves the match alone.
+    idx = build([1, 2, 7, 8, 1, 2, 7, 8, 1, 2, 9, 9, 1, 2], min_n=2, max_n=2, max_candidates=1)
+    m = idx.find()
+    assert idx.ranked_continuation(m, 3) == (idx.continuation(m, 3), [1.0] * 3)
+    assert idx.ranked_continuation(m, 0) == ([], [])
+
+
+def test_ranked_continuation_of_a_realigned_match_is_the_plain_copy():
+    source = [1, 2, 3, 4, OLD, 5, 6, 7, 8, 5, 6, 9]
+    idx = build(source + [9, 1, 2, 3, 4, NEW], realign=True)
+    m = idx.find()
+    assert m.skipped == 1
+    assert idx.ranked_continuation(m, 3, min_share=0.9) == ([5, 6, 7], [1.0, 1.0, 1.0])
+
+
+def test_ranked_continuation_floor_keeps_an_edit_aligned_match():
+    # [5, 6] matches after the edit; the aligned occurrence matches 6 tokens across the
+    # edit, two decoys only the 2-gram. The default floor (max_n = 4) lets only the
+    # aligned one vote; floor=2 lets the decoys outvote it.
+    aligned = [11, 12, 13, 14, OLD, 5, 6, 20, 21, 22]
+    decoys = [30, 5, 6, 40, 41, 31, 5, 6, 40, 42]
+    history = [11, 12, 13, 14, NEW, 5, 6]
+    idx = build(aligned + decoys + history, min_n=2, max_n=4, max_edits=1)
+    m = idx.find()
+    assert m.n == 2 and m.length == 6 and idx.continuation(m, 3) == [20, 21, 22]
+    assert idx.ranked_continuation(m, 3) == ([20, 21, 22], [1.0, 1.0, 1.0])
+    tokens, shares = idx.ranked_continuation(m, 2, floor=2)
+    assert tokens == [40, 42] and shares == [2 / 3, 0.5]
+
+
+def test_ranked_continuation_bad_arguments():
+    idx = build([1, 2, 1, 2])
+    m = idx.find()
+    with pytest.raises(ValueError, match="min_share"):
+        idx.ranked_continuation(m, 2, min_share=1.5)
+    with pytest.raises(ValueError, match="floor"):
+        idx.ranked_continuation(m, 2, floor=0)

@@ -22,6 +22,23 @@ matters most, so two refinements are on by default:
   last two) as replacing one source token and copies on from the aligned
   position past it.
 
+:meth:`NgramIndex.continuation` copies what followed the chosen occurrence (the
+most recent of the best). :meth:`NgramIndex.ranked_continuation` lets every
+earlier occurrence that matches about as much context vote instead, as
+suffix-tree drafters (SuffixDecoding) pick the most frequent child: the
+candidates are the occurrences in the chain of the match's n-gram (at most
+``max_candidates``, most recent first) whose backwards match is at least
+``min(match.length, floor)`` tokens long (``floor`` defaults to ``max_n``, so an
+edit-aligned match is not outvoted by occurrences sharing only a short n-gram,
+while ``max_n`` tokens of context count as strong enough evidence). The block is
+then built token by token: the surviving candidates vote with the token that
+follows them at that offset, the most frequent token wins (ties: the most recent
+candidate's), and the candidates that disagree drop out. Each token comes with
+its share of the votes, so a branching point (share < 1) is visible and can end
+the block early (``min_share``). The cost stays bounded: ``max_candidates``
+occurrences, each compared over at most ``floor`` tokens (per edit branch), then
+``count`` voting steps over the survivors.
+
 The module is pure Python and does not import specdec, so it can be reused and
 tested on its own.
 """
@@ -297,3 +314,116 @@ class NgramIndex:
             else:
                 break
         return out
+
+    def ranked_continuation(
+        self,
+        match: NgramMatch,
+        count: int,
+        *,
+        min_share: float = 0.0,
+        floor: int | None = None,
+    ) -> tuple[list[int], list[float]]:
+        """Up to ``count`` tokens chosen by the votes of every occurrence like ``match``.
+
+        Candidates: the occurrences in the hash chain of the last ``match.n``
+        tokens (the ``max_candidates`` most recent) whose backwards match, measured
+        as :meth:`find` measures it (edits included), is at least
+        ``min(match.length, floor)`` tokens long; ``floor=None`` means ``max_n``.
+        ``match.position`` itself always counts. At step ``j`` each surviving
+        candidate votes with the token at its offset ``j`` (copying may run into
+        the copy itself as :meth:`continuation` does; with a ``limit`` a candidate
+        that reaches it stops voting). The most frequent token wins, a tie goes to
+        the most recent candidate among the tied tokens, and the candidates that
+        voted otherwise drop out. ``shares[j]`` is the winner's share of the votes
+        at step ``j`` (1.0 when all agree). The block goes on through a branching
+        point with the winner; with ``min_share > 0`` it stops before the first
+        token whose share is below ``min_share`` (the first token is always kept).
+        A realigned match (``match.skipped > 0``) returns the plain
+        :meth:`continuation` with shares of 1.0.
+
+        Returns:
+            ``(tokens, shares)``, two lists of the same length (at most ``count``).
+
+        Raises:
+            ValueError: ``min_share`` is not in ``[0, 1]`` or ``floor`` is not
+                ``None`` or an integer >= 1.
+        """
+        if not 0.0 <= min_share <= 1.0:
+            raise ValueError(f"min_share must be in [0, 1], got {min_share!r}")
+        if floor is not None and (
+            not isinstance(floor, int) or isinstance(floor, bool) or floor < 1
+        ):
+            raise ValueError(f"floor must be None or an integer >= 1, got {floor!r}")
+        if count <= 0:
+            return [], []
+        if match.skipped:
+            plain = self.continuation(match, count)
+            return plain, [1.0] * len(plain)
+        toks = self._tokens
+        end = len(toks)
+        stop = end if self.limit is None else min(self.limit, end)
+        self_copy = self.limit is None
+        alive = self._candidates(match, self.max_n if floor is None else floor)
+        out: list[int] = []
+        shares: list[float] = []
+        for j in range(count):
+            # Votes in recency order: the dict keeps the order in which tokens first
+            # appear, and max() returns the first of equal counts, so ties go to the
+            # most recent candidate.
+            votes: dict[int, int] = {}
+            voters: list[tuple[int, int]] = []
+            for c in alive:
+                src = c + j
+                if src < stop:
+                    t = toks[src]
+                elif self_copy:
+                    t = out[src - end]  # src - end < j: a token already chosen
+                else:
+                    continue  # reached the limit: no more votes from this one
+                voters.append((c, t))
+                votes[t] = votes.get(t, 0) + 1
+            if not voters:
+                break
+            best = max(votes, key=votes.__getitem__)
+            share = votes[best] / len(voters)
+            if j and share < min_share:
+                break
+            out.append(best)
+            shares.append(share)
+            if len(voters) != len(alive) or len(votes) > 1:
+                alive = [c for c, t in voters if t == best]
+        return out, shares
+
+    def _candidates(self, match: NgramMatch, floor: int) -> list[int]:
+        # Positions (most recent first) of the occurrences in the chain of the last
+        # match.n tokens whose backwards match reaches min(match.length, floor).
+        toks = self._tokens
+        end = len(toks)
+        n = match.n
+        pos0 = match.position
+        if not self.min_n <= n <= self.max_n or n > end:
+            return [pos0]
+        need = min(match.length, floor)
+        h = 0
+        for k in range(1, n + 1):
+            h = (h * _MUL + toks[end - k] + 1) & _MASK
+        pos = self._heads[n - self.min_n].get(h, -1)
+        prev = self._prevs[n - self.min_n]
+        suffix = toks[end - n : end]
+        found: list[int] = []
+        for _ in range(self.max_candidates):
+            if pos < 0:
+                break
+            # The n-gram exactly (a hash collision fails here), then the extension,
+            # capped at what it needs to reach: O(floor) per candidate.
+            if pos == pos0 or (
+                pos < end
+                and toks[pos - n : pos] == suffix
+                and n + self._extend(pos - n - 1, end - n - 1, self.max_edits, need - n) >= need
+            ):
+                found.append(pos)
+            pos = prev[pos]
+        if pos0 not in found:  # a match from before the index grew: it still counts
+            found.append(pos0)
+            found.sort(reverse=True)
+        return found
