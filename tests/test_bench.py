@@ -675,7 +675,9 @@ def test_cli_sweep_table_has_a_row_per_value(capsys, byte_model, tmp_path):
     assert "| workload | temp | policy | off tok/s |" in out and "| commit/verify |" in out
     assert "| code-edit | 0 | copy[ngram_copy.max_block=2] |" in out
     assert "| code-edit | 0 | copy[ngram_copy.max_block=4] |" in out
-    assert out.count("| code-edit | 0 |") == 3  # two policies, one baseline row
+    tables, rounds = out.split("| rounds without draft |")
+    assert tables.count("| code-edit | 0 |") == 3  # two policies, one baseline row
+    assert rounds.count("| code-edit | 0 | copy[") == 2  # how each policy spent its rounds
     d = json.loads(details.read_text())
     assert d["policies"] == ["copy[ngram_copy.max_block=2]", "copy[ngram_copy.max_block=4]"]
     assert d["random_weights"] is False
@@ -722,3 +724,39 @@ def test_cli_random_weights_from_a_config(capsys, tmp_path):
 def test_bench_is_listed_in_help(capsys):
     rc, out, err = run_cli(capsys, "--help")
     assert rc == 0 and "bench" in out
+
+
+def test_cli_several_policies_side_by_side(capsys, byte_model, tmp_path):
+    details = tmp_path / "d.json"
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--model",
+        str(byte_model),
+        *FAST,
+        "-w",
+        "code-edit",
+        "--policy",
+        "copy",
+        "--policy",
+        "ngram",
+        "--no-progress",
+        "--details",
+        str(details),
+    )
+    assert rc == 0, err
+    tables = out.split("| rounds without draft |")[0]
+    assert "| code-edit | 0 | copy |" in tables and "| code-edit | 0 | ngram |" in tables
+    recs = json.loads(details.read_text())
+    recs = recs["results"] if isinstance(recs, dict) else recs
+    assert sorted(r["policy"] for r in recs) == ["copy", "ngram"]
+    for r in recs:
+        assert sum(r["on_block_sizes"].values()) >= r["on_forwards"] > 0
+        assert r["on_rounds_without_draft"] <= r["on_forwards"]
+
+
+def test_cli_same_policy_twice_is_an_error(capsys, byte_model):
+    rc, _, err = run_cli(
+        capsys, "bench", "--model", str(byte_model), "--policy", "copy", "--policy", "copy"
+    )
+    assert rc != 0 and "more than once" in err

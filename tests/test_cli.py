@@ -602,3 +602,32 @@ def test_format_stats_line_without_drafts():
         generated=4,
     )
     assert "acceptance n/a" in line and "12.5 tok/s" in line and "speculation off" in line
+
+
+# -- doctor --model: the verify cost curve ----------------------------------------------
+
+
+def test_doctor_model_prints_the_verify_cost_curve(capsys, tiny_model, tmp_path, monkeypatch):
+    from specdec.costs import CostModel
+
+    monkeypatch.setattr(CostModel, "_memory", {})
+    monkeypatch.setattr("specdec.costs.cache_dir", lambda: tmp_path)
+    rc, out, err = run_cli(capsys, "doctor", "--model", str(tiny_model), "--json")
+    assert rc == 0, err
+    vc = json.loads(out)["verify_cost"]
+    assert vc["source"] == "profiled" and Path(vc["path"]).is_file()
+    assert str(tmp_path) in vc["path"]
+    curve = vc["curve"]
+    assert curve["widths"][0] == 1 and len(curve["seconds"]) == len(curve["contexts"])
+    assert "profiling the verify cost" in err  # a progress line for the long step
+    monkeypatch.setattr(CostModel, "_memory", {})
+    rc, out, _ = run_cli(capsys, "doctor", "--model", str(tiny_model))
+    assert rc == 0
+    assert "verify cost of" in out and "(disk;" in out and "1-step ms" in out
+    rc, out, _ = run_cli(capsys, "doctor", "--model", str(tiny_model), "--reprofile", "--json")
+    assert rc == 0 and json.loads(out)["verify_cost"]["source"] == "profiled"
+
+
+def test_doctor_reprofile_needs_a_model(capsys):
+    rc, _, err = run_cli(capsys, "doctor", "--reprofile")
+    assert rc != 0 and "--reprofile needs --model" in err

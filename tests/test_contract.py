@@ -23,13 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _comparable(stats: specdec.Stats) -> dict:
     """A request's stats without wall times (which differ between runs)."""
-    d = stats.to_dict()
-    return {
-        k: v
-        for k, v in d.items()
-        if not k.endswith(("_time_s", "_tps", "_s"))
-        and k not in ("peak_memory_gb", "rollback_fraction")
-    }
+
+    def strip(d):
+        return {
+            k: strip(v) if isinstance(v, dict) else v
+            for k, v in d.items()
+            if not (isinstance(k, str) and k.endswith(("_time_s", "_tps", "_s")))
+            and k not in ("peak_memory_gb", "rollback_fraction", "shadow_fraction")
+        }
+
+    return strip(stats.to_dict())
 
 
 def _run_interleaved(pipe, a, b, **kw):

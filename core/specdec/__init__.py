@@ -29,6 +29,14 @@ if _blas_status.action == "too_late":
     )
 
 from .capture import ModelTaps, TapError, model_taps
+from .costs import (
+    AcceptanceEstimate,
+    BlockChoice,
+    CostModel,
+    VerifyCostCurve,
+    best_block,
+    profile_verify_cost,
+)
 from .errors import (
     ModelLoadError,
     PluginConflictError,
@@ -74,6 +82,7 @@ from .rollback import (
     rollback_plan,
 )
 from .sampling import Sampler, validate_request
+from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
@@ -83,12 +92,15 @@ __all__ = [
     "CAPABILITIES",
     "ROLES",
     "Acceptance",
+    "AcceptanceEstimate",
     "Acceptor",
     "BaseDrafter",
     "BaseDrafterSession",
     "BaseGovernor",
     "BaseGovernorSession",
+    "BlockChoice",
     "CacheRollback",
+    "CostModel",
     "Draft",
     "DraftHead",
     "Drafter",
@@ -118,13 +130,16 @@ __all__ = [
     "RequestError",
     "RoundResult",
     "Sampler",
+    "ShadowScore",
     "SpecdecError",
     "Stats",
     "StreamResponse",
     "UnknownComponentError",
     "Verifier",
+    "VerifyCostCurve",
     "VerifyResult",
     "assemble",
+    "best_block",
     "get_plugin_host",
     "get_plugin_manager",
     "hookimpl",
@@ -133,6 +148,7 @@ __all__ = [
     "load_policy",
     "model_taps",
     "model_vocab_size",
+    "profile_verify_cost",
     "reset_plugin_host",
     "rollback_plan",
     "validate_request",

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptors import auto_acceptor
+from .costs import CostModel
 from .errors import ModelLoadError, PolicyError, RequestError, UnknownComponentError
 from .heads import model_vocab_size
 from .plugins import PluginHost, get_plugin_host
@@ -127,6 +128,7 @@ class _Round:
     q: Any = None
     chosen: str | None = None
     proposals: dict = attrs.field(factory=dict)
+    shadows: dict = attrs.field(factory=dict)
     acceptor: str | None = None
     txn: Any = None
     vr: Any = None
@@ -274,6 +276,19 @@ class Pipeline:
             attach = getattr(d, "attach", None)
             if attach is not None:
                 attach(model, tokenizer)
+        #: the verify cost curve of this model on this device, when a drafter reads it.
+        self.cost_model: CostModel | None = None
+        if any(getattr(d, "uses_verify_cost", False) for d in self.drafters):
+            self.cost_model = CostModel(model, self.verifier, host=h)
+
+    def prepare(self, progress: Callable[[int, int, str], None] | None = None) -> None:
+        """Do the one-off work before the first request: load the verify cost curve, or
+        profile it (seconds, once per model and device; ``progress(done, total, label)``
+        is told how far it got). Requests call it themselves when it was not called."""
+        if self.cost_model is not None and not self.cost_model.loaded:
+            if progress is not None:
+                self.cost_model.progress = progress
+            self.cost_model.curve()
 
     def _head(self, drafter: str, name: str) -> Any:
         try:
@@ -491,7 +506,11 @@ class Pipeline:
             verifier=self.verifier,
             plan=plan,
         )
+        cost = self.cost_model
         try:
+            if cost is not None and drafters:
+                cost.refresh()  # loads (or profiles) the curve; a longer context if needed
+                ctx_common["cost"] = cost
             for d in drafters:
                 ctx = RequestContext(
                     **ctx_common, options=policy.options_for(d.name), head=self.heads.get(d.name)
@@ -507,6 +526,9 @@ class Pipeline:
             stats.prompt_time_s = time.perf_counter() - t0
             yield from self._decode(row, plan, detok, on_round)
         finally:
+            if cost is not None:
+                cost.note_context(len(row.history))
+                stats.verify_cost = cost.stats()
             for _, s in row.sessions:
                 try:
                     s.end()
@@ -564,7 +586,12 @@ class Pipeline:
             if row.governor is not None:
                 if result.drafter is not None:
                     row.governor.observe(result.drafter, len(result.block), result.n_accepted)
-                row.governor.observe_round(result)
+                if result.shadows:
+                    t0 = time.perf_counter()
+                    row.governor.observe_round(result)
+                    stats.shadow_time_s += time.perf_counter() - t0
+                else:
+                    row.governor.observe_round(result)
             if on_round is not None:
                 on_round(result, row.caches)
             if (
@@ -603,6 +630,9 @@ class Pipeline:
             for name, s in row.sessions:
                 budget = min(gov.budget(name, limit), limit) if gov is not None else limit
                 if budget < policy.min_block:
+                    shadow = getattr(s, "shadow", None)
+                    if shadow is not None:
+                        self._shadow(row, rnd, name, shadow, limit)
                     continue
                 draft = s.propose(row.history, budget)
                 if draft is None or draft.size < policy.min_block:
@@ -612,6 +642,8 @@ class Pipeline:
                 rnd.q = None if draft.probs is None else draft.probs[:budget]
                 rnd.chosen = name
                 break
+        k = 0 if rnd.chosen is None else (rnd.block.size if _is_lazy(rnd.block) else len(rnd.block))
+        row.stats.block_sizes[k] = row.stats.block_sizes.get(k, 0) + 1
         if row.processors and _is_lazy(rnd.block):
             rnd.block = tuple(rnd.block.tolist())  # processors read the block's history
         if rnd.chosen is None:
@@ -635,6 +667,17 @@ class Pipeline:
             rnd.txn.abort()
             raise
         return rnd
+
+    @staticmethod
+    def _shadow(row: _Row, rnd: _Round, name: str, shadow: Callable, limit: int) -> None:
+        """Ask a session the governor refused what it would have proposed (shadow scoring)."""
+        t0 = time.perf_counter()
+        draft = shadow(row.history, limit)
+        if draft is not None and draft.size:
+            toks = draft.tokens
+            rnd.shadows[name] = tuple(toks.tolist()) if _is_lazy(toks) else tuple(toks)
+            row.stats.shadow_proposals += 1
+        row.stats.shadow_time_s += time.perf_counter() - t0
 
     @staticmethod
     def _launch(row: _Row, out: mx.array) -> None:
@@ -707,6 +750,7 @@ class Pipeline:
             proposals={
                 k: tuple(v.tolist()) if _is_lazy(v) else v for k, v in rnd.proposals.items()
             },
+            shadows=rnd.shadows,
         )
 
     def _emit(

@@ -137,6 +137,9 @@ class RoundResult:
         proposals: ``{drafter: tokens}`` of the sessions that proposed this round. The
             first acceptable proposal wins and later sessions are not asked, so today
             this holds the winner's block only (its full proposal, before any cut).
+        shadows: ``{drafter: tokens}`` of the sessions that the governor gave no budget
+            this round and that answered ``shadow()``: what they would have proposed,
+            for shadow scoring against ``committed`` (see :class:`specdec.ShadowScore`).
     """
 
     drafter: str | None
@@ -147,6 +150,7 @@ class RoundResult:
     verify: VerifyResult | None = None
     start_position: int = 0
     proposals: dict = attrs.field(factory=dict)
+    shadows: dict = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -167,6 +171,9 @@ class RequestContext:
         verifier: the pipeline's verifier.
         head: the draft head the drafter named with its ``head`` option (``None`` otherwise).
         plan: the request's rollback plan over ``caches``.
+        cost: the pipeline's :class:`specdec.CostModel` (what a verify forward of each
+            width costs at each context length) when the drafter asked for it with
+            ``uses_verify_cost``; ``None`` otherwise.
     """
 
     model: Any
@@ -181,6 +188,7 @@ class RequestContext:
     verifier: Any = None
     head: Any = None
     plan: Any = None
+    cost: Any = None
 
 
 @runtime_checkable
@@ -189,6 +197,12 @@ class DrafterSession(Protocol):
 
     Optional: ``prefill(chunk: PrefillChunk) -> None``, called for every prompt
     chunk the verifier feeds (in order), so a head can prime itself on the prompt.
+
+    Optional: ``shadow(history: Sequence[int], max_len: int) -> Draft | None``, called
+    instead of ``propose`` on a round where the governor gave the drafter no budget:
+    what it would have proposed, without counting it as a proposal. The tokens go
+    to the governor in ``RoundResult.shadows`` for shadow scoring. Implement it only
+    when proposing is cheap (a lookup), since it runs on rounds that draft nothing.
     """
 
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
@@ -379,6 +393,9 @@ class BaseDrafter:
     head: str | None = None
     #: Whether its sessions can run as rows of a batch.
     supports_batch: bool = False
+    #: Whether its sessions read ``ctx.cost`` (the pipeline then builds a
+    #: :class:`specdec.CostModel`, profiling the model once per device).
+    uses_verify_cost: bool = False
 
     def session(self, ctx: RequestContext) -> DrafterSession:  # pragma: no cover
         """Start a request; subclasses override."""

@@ -34,6 +34,13 @@ class Stats:
         rollbacks: names of the cache rollbacks in use.
         governor: the governor's ``stats()`` (empty without a governor).
         draft_heads: ``{head name: head.stats()}`` of the draft heads the drafters use.
+        block_sizes: ``{k: rounds}``: how many rounds verified a block of ``k`` drafted
+            tokens (0: a round that drafted nothing).
+        shadow_proposals: rounds in which a drafter the governor gave no budget told what
+            it would have proposed (shadow scoring).
+        shadow_time_s: time spent asking for those proposals and scoring them (the
+            governor's ``observe_round`` on rounds with shadows).
+        verify_cost: the pipeline's cost model's ``stats()`` (empty without one).
         finish_reason: ``"stop"`` or ``"length"``.
     """
 
@@ -57,6 +64,10 @@ class Stats:
     rollbacks: list = attrs.field(factory=list)
     governor: dict = attrs.field(factory=dict)
     draft_heads: dict = attrs.field(factory=dict)
+    block_sizes: dict = attrs.field(factory=dict)
+    shadow_proposals: int = 0
+    shadow_time_s: float = 0.0
+    verify_cost: dict = attrs.field(factory=dict)
     finish_reason: str | None = None
 
     @property
@@ -82,6 +93,16 @@ class Stats:
         return max(0.0, self.decode_time_s - self.wait_time_s) / self.target_forwards
 
     @property
+    def rounds_without_draft(self) -> int:
+        """Rounds that verified no drafted token."""
+        return self.target_forwards - self.rounds_with_draft
+
+    @property
+    def shadow_fraction(self) -> float:
+        """Shadow-scoring time over decode time."""
+        return self.shadow_time_s / self.decode_time_s if self.decode_time_s > 0 else 0.0
+
+    @property
     def prompt_tps(self) -> float:
         """Prompt tokens per second of prefill."""
         return self.prompt_tokens / self.prompt_time_s if self.prompt_time_s > 0 else 0.0
@@ -99,6 +120,8 @@ class Stats:
             acceptance_rate=self.acceptance_rate,
             rollback_fraction=self.rollback_fraction,
             loop_overhead_s=self.loop_overhead_s,
+            rounds_without_draft=self.rounds_without_draft,
+            shadow_fraction=self.shadow_fraction,
             prompt_tps=self.prompt_tps,
             decode_tps=self.decode_tps,
         )

@@ -21,7 +21,14 @@ from ..cli.common import (
 )
 from .plot import MATPLOTLIB_MISSING, matplotlib_available, plot_results
 from .progress import Progress
-from .runner import BASELINES, run_bench, spec_baseline_table, sweep_policies, total_steps
+from .runner import (
+    BASELINES,
+    rounds_table,
+    run_bench,
+    spec_baseline_table,
+    sweep_policies,
+    total_steps,
+)
 from .workloads import get_workloads, workload_names
 
 DEFAULT_RUNS = 3
@@ -52,8 +59,11 @@ def add_bench_parser(sub: Any, func: Any) -> None:
     )
     p.add_argument(
         "--policy",
-        default=DEFAULT_POLICY,
-        help=f"the policy measured against 'none': a preset or a .toml file (default: {DEFAULT_POLICY})",
+        action="append",
+        default=None,
+        help="a policy measured against 'none': a preset or a .toml file; repeat it to "
+        "measure several policies side by side against the same 'none' runs "
+        f"(default: {DEFAULT_POLICY})",
     )
     p.add_argument(
         "--random-weights",
@@ -232,6 +242,9 @@ def format_table(results: list, *, baseline: str | None = None) -> str:
     spec = spec_baseline_table(results)
     if spec:
         lines += ["", spec]
+    rounds = rounds_table(results)
+    if rounds:
+        lines += ["", rounds]
     return "\n".join(lines)
 
 
@@ -254,11 +267,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CliError(f"--temp must be >= 0, got {t}")
     temps = list(dict.fromkeys(float(t) for t in temps))
     workloads = get_workloads(args.workload)
-    policy = specdec.load_policy(args.policy)
-    check_policy_components(policy)
-    policies = [policy]
+    policies = [specdec.load_policy(p) for p in (args.policy or [DEFAULT_POLICY])]
+    for pol in policies:
+        check_policy_components(pol)
+    names = [pol.name for pol in policies]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise CliError(
+            f"--policy: each measured policy needs its own name; {', '.join(dupes)} is given "
+            "more than once (set name = ... in a policy file)"
+        )
+    policy = policies[0]
     swept = None  # the swept component's name
     if args.sweep is not None:
+        if len(policies) > 1:
+            raise CliError("--sweep measures variants of one policy: give one --policy with it")
         policies = sweep_policies(policy, args.sweep)
         swept = args.sweep.partition(".")[0]
         _check_sweep_component(swept, policy)

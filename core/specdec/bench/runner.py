@@ -47,6 +47,7 @@ __all__ = [
     "WorkloadResult",
     "parse_sweep",
     "run_bench",
+    "rounds_table",
     "spec_baseline_table",
     "sweep_policies",
 ]
@@ -103,6 +104,10 @@ class RunSample:
         peak_memory_gb: MLX peak memory during the request.
         loop_overhead_s: the request's ``stats.loop_overhead_s`` (host time per round
             outside waiting for the target; ``None`` for mlx-lm runs).
+        rounds_without_draft, suspended_tokens, shadow_fraction, block_sizes: from the
+            request's stats: rounds that verified no draft, tokens committed while the
+            governor had a drafter suspended, shadow-scoring time over decode time, and
+            ``{k: rounds}`` of the block sizes verified.
     """
 
     kind: str
@@ -123,6 +128,10 @@ class RunSample:
     commit_time_s: float | None = None
     rollbacks: list | None = None
     loop_overhead_s: float | None = None
+    rounds_without_draft: int | None = None
+    suspended_tokens: int | None = None
+    shadow_fraction: float | None = None
+    block_sizes: dict | None = None
 
     def to_dict(self, *, with_output: bool = False) -> dict:
         d = attrs.asdict(self)
@@ -239,6 +248,14 @@ class WorkloadResult:
             "spec_baseline_identical": self.spec_baseline_identical,
         }
 
+    def block_size_histogram(self) -> dict:
+        """``{k: rounds}`` of the block sizes the on runs verified, summed over the runs."""
+        out: dict[int, int] = {}
+        for s in self.on:
+            for k, v in (s.block_sizes or {}).items():
+                out[int(k)] = out.get(int(k), 0) + int(v)
+        return dict(sorted(out.items()))
+
     def details(self, *, with_output: bool = False) -> dict:
         """The record plus faithfulness, the baseline and every run."""
         d = self.record()
@@ -272,6 +289,11 @@ class WorkloadResult:
                 1e3 * _median([s.loop_overhead_s or 0.0 for s in self.on]), 3
             ),
             rollbacks=self.on[0].rollbacks if self.on else [],
+            on_forwards=_median([s.target_forwards or 0 for s in self.on]),
+            on_rounds_without_draft=_median([s.rounds_without_draft or 0 for s in self.on]),
+            on_suspended_tokens=_median([s.suspended_tokens or 0 for s in self.on]),
+            on_shadow_percent=round(100 * _median([s.shadow_fraction or 0.0 for s in self.on]), 4),
+            on_block_sizes=self.block_size_histogram(),
             runs={
                 "off": [s.to_dict(with_output=with_output) for s in self.off],
                 "on": [s.to_dict(with_output=with_output) for s in self.on],
@@ -321,6 +343,10 @@ def _run_pipeline(
         commit_time_s=float(s.commit_time_s),
         rollbacks=list(s.rollbacks),
         loop_overhead_s=float(s.loop_overhead_s),
+        rounds_without_draft=int(s.rounds_without_draft),
+        suspended_tokens=int(s.governor.get("suspended_tokens", 0)),
+        shadow_fraction=float(s.shadow_fraction),
+        block_sizes={int(k): int(v) for k, v in sorted(s.block_sizes.items())},
     )
 
 
@@ -542,6 +568,8 @@ def run_bench(
         raise RequestError(f"the measured policies need different names, got {names}")
     off_pipe = assemble(model, tokenizer, "none")
     on_pipes = [assemble(model, tokenizer, p) for p in pols]
+    for pipe in on_pipes:
+        pipe.prepare()  # profile the verify cost curve (once per model and device) before timing
     on_kinds = ["on"] if len(pols) == 1 else [f"on:{n}" for n in names]
     pipes = {"off": off_pipe, **dict(zip(on_kinds, on_pipes))}
     # mlx-lm's speculative decoding, one run kind per distinct (draft model, tokens)
@@ -688,6 +716,30 @@ def spec_baseline_table(results: Sequence[WorkloadResult]) -> str:
             f"| {res.workload} | {res.temp:g} | {res.policy} | {res.spec_draft_tokens} "
             f"| {d['on_step_tps']:.1f} | {d['spec_baseline_tps']:.1f} "
             f"| {d['on_vs_spec_baseline']:.2f}x | {'yes' if same else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def rounds_table(results: Sequence[WorkloadResult]) -> str:
+    """How the on runs spent their rounds, as a Markdown table (medians over the runs; the
+    block-size histogram sums them): forwards, rounds without a draft, tokens committed
+    while a drafter was suspended, shadow-scoring time, and the block sizes verified.
+    ``""`` when no result drafted anything."""
+    rows = [r for r in results if any(s.drafted for s in r.on)]
+    if not rows:
+        return ""
+    lines = [
+        "| workload | temp | policy | forwards | rounds without draft | suspended tokens "
+        "| shadow time | block sizes (k: rounds) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for res in rows:
+        d = res.details()
+        hist = " ".join(f"{k}:{v}" for k, v in d["on_block_sizes"].items())
+        lines.append(
+            f"| {res.workload} | {res.temp:g} | {res.policy} | {d['on_forwards']:g} "
+            f"| {d['on_rounds_without_draft']:g} | {d['on_suspended_tokens']:g} "
+            f"| {d['on_shadow_percent']:.3f}% | {hist} |"
         )
     return "\n".join(lines)
 

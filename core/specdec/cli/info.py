@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from .. import blas
-from .common import EXIT_OK, fmt, print_json
+from .common import EXIT_OK, CliError, fmt, print_json
 
 __all__ = [
     "add_doctor_parser",
@@ -78,6 +78,18 @@ def add_doctor_parser(sub: Any) -> None:
         description="Report what specdec runs on: versions, device, BLAS and its speed, plugins.",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="also print MODEL's verify cost curve on this device (what a verify forward of "
+        "k tokens costs at each profiled context length, relative to one decode step): read "
+        "from specdec's cache, or profiled once and cached; 'default' is the built-in model",
+    )
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="with --model: profile the curve again, replacing the cached one",
+    )
     p.set_defaults(func=cmd_doctor)
 
 
@@ -183,10 +195,51 @@ def format_doctor(r: dict) -> str:
     return "\n".join(lines)
 
 
+def verify_cost_report(model_spec: str, *, reprofile: bool = False) -> dict:
+    """The verify cost curve of ``model_spec`` on this device, as ``specdec doctor --model`` shows it."""
+    import specdec
+    from specdec.costs import CostModel
+    from specdec.loading import check_model_path, load_model
+
+    from .common import check_model_spec, default_model
+
+    if model_spec == "default":
+        path = default_model()
+    else:
+        path = check_model_spec(model_spec, "--model")
+    check_model_path(path)
+    model, _ = load_model(path)
+    cm = CostModel(model, specdec.LogitsVerifier())
+    if reprofile:
+        CostModel._memory.pop(cm._fingerprint, None)
+        cm.persist_read = False
+    curve = cm.curve()
+    return {
+        "model": str(path),
+        "source": cm.source,
+        "path": str(cm.path),
+        "device": curve.device,
+        "curve": curve.to_dict(),
+        "table": curve.table(),
+    }
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.reprofile and not args.model:
+        raise CliError("--reprofile needs --model")
     report = doctor_report()
+    if args.model:
+        report["verify_cost"] = verify_cost_report(args.model, reprofile=args.reprofile)
     if args.json:
         print_json(report)
-    else:
-        print(format_doctor(report), flush=True)
+        return EXIT_OK
+    print(format_doctor(report), flush=True)
+    vc = report.get("verify_cost")
+    if vc:
+        print(
+            f"\nverify cost of {vc['model']} on {vc['device']} ({vc['source']}; {vc['path']}):\n"
+            "each column is a verify forward of that many tokens (the last token plus k "
+            "drafted), relative to one decode step at the same context\n" + vc["table"],
+            flush=True,
+        )
     return EXIT_OK

@@ -1,0 +1,654 @@
+"""What a verify forward costs, and which block size pays best.
+
+A speculative round feeds ``1 + k`` tokens (the last committed token and a
+``k``-token block) through the target in one forward. Whether a block of ``k``
+pays depends on how much more that forward costs than a one-token step, which
+depends on the model, the device and the context length: on a CPU the cost
+grows slowly up to about 16 tokens and steeply after, on a GPU it is nearly
+flat. So it is measured, not assumed:
+
+- :func:`profile_verify_cost` times verify forwards of several widths at several
+  context lengths (random tokens, the request caches rolled back after each
+  forward, the runs interleaved and their median kept) and returns a
+  :class:`VerifyCostCurve`.
+- :class:`CostModel` is a pipeline's curve: loaded from the on-disk cache
+  (``$SPECDEC_CACHE_DIR`` or ``~/.cache/specdec``, ``verify-cost/<key>.json``,
+  keyed by the model's shapes, the verifier, the device and the MLX version) or
+  profiled once and written there. The curve is read at the request's current
+  context length (interpolated between the profiled ones, extrapolated
+  linearly past the longest), and when requests run past twice the longest
+  profiled context, the next request first profiles that longer context too
+  (:meth:`CostModel.refresh`).
+- :func:`best_block` picks the block size that maximises expected committed
+  tokens per second from per-position acceptance probabilities and the curve;
+  :class:`AcceptanceEstimate` keeps those probabilities from real and shadow
+  outcomes.
+
+``specdec doctor --model M`` prints the curve of a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from .heads import model_vocab_size
+
+__all__ = [
+    "DEFAULT_CONTEXTS",
+    "DEFAULT_WIDTHS",
+    "AcceptanceEstimate",
+    "BlockChoice",
+    "CostModel",
+    "VerifyCostCurve",
+    "best_block",
+    "cache_dir",
+    "model_fingerprint",
+    "profile_verify_cost",
+]
+
+#: Verify widths (tokens fed: the last token plus the block) profiled by default.
+DEFAULT_WIDTHS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
+#: Context lengths profiled by default (capped by the model's maximum positions).
+DEFAULT_CONTEXTS: tuple[int, ...] = (128, 1024)
+#: The longest context a refresh profiles.
+MAX_PROFILE_CONTEXT = 16384
+_FORMAT = 1
+
+
+def cache_dir() -> Path:
+    """specdec's cache folder: ``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``."""
+    env = os.environ.get("SPECDEC_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdec"
+
+
+@attrs.frozen
+class VerifyCostCurve:
+    """Seconds per verify forward, by width (tokens fed) and context length.
+
+    Attributes:
+        widths: the profiled widths, increasing (1 is one plain decode step).
+        contexts: the profiled context lengths, increasing.
+        seconds: ``seconds[i][j]``: a forward of ``widths[j]`` tokens after
+            ``contexts[i]`` tokens of context (non-decreasing in the width).
+        device: the device it was measured on.
+        key: the cache key (model shapes, verifier, device, MLX version).
+        profile_time_s: how long profiling took.
+    """
+
+    widths: tuple[int, ...]
+    contexts: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+    device: str = ""
+    key: str = ""
+    profile_time_s: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if not self.widths or not self.contexts:
+            raise ValueError("a verify cost curve needs at least one width and one context")
+        if list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
+            raise ValueError(f"widths must be increasing and >= 1, got {self.widths}")
+        if list(self.contexts) != sorted(set(self.contexts)) or self.contexts[0] < 0:
+            raise ValueError(f"contexts must be increasing and >= 0, got {self.contexts}")
+        if len(self.seconds) != len(self.contexts) or any(
+            len(r) != len(self.widths) for r in self.seconds
+        ):
+            raise ValueError("seconds must have one row per context and one value per width")
+
+    def _row_cost(self, row: Sequence[float], width: float) -> float:
+        ws = self.widths
+        if width <= ws[0]:
+            return row[0] * width / ws[0] if ws[0] > 1 else row[0]
+        for j in range(1, len(ws)):
+            if width <= ws[j]:
+                f = (width - ws[j - 1]) / (ws[j] - ws[j - 1])
+                return row[j - 1] + f * (row[j] - row[j - 1])
+        if len(ws) == 1:
+            return row[0] * width / ws[0]
+        slope = max(0.0, (row[-1] - row[-2]) / (ws[-1] - ws[-2]))
+        return row[-1] + slope * (width - ws[-1])
+
+    def cost(self, width: int, context: int) -> float:
+        """Seconds for a forward of ``width`` tokens after ``context`` tokens."""
+        cs = self.contexts
+        vals = [self._row_cost(r, width) for r in self.seconds]
+        if context <= cs[0] or len(cs) == 1:
+            return vals[0]
+        for i in range(1, len(cs)):
+            if context <= cs[i]:
+                f = (context - cs[i - 1]) / (cs[i] - cs[i - 1])
+                return vals[i - 1] + f * (vals[i] - vals[i - 1])
+        slope = max(0.0, (vals[-1] - vals[-2]) / (cs[-1] - cs[-2]))
+        return vals[-1] + slope * (context - cs[-1])
+
+    def relative(self, width: int, context: int) -> float:
+        """:meth:`cost` over the cost of a one-token step at the same context."""
+        one = self.cost(1, context)
+        return self.cost(width, context) / one if one > 0 else float(width)
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict (what the disk cache holds)."""
+        return {
+            "format": _FORMAT,
+            "widths": list(self.widths),
+            "contexts": list(self.contexts),
+            "seconds": [list(r) for r in self.seconds],
+            "device": self.device,
+            "key": self.key,
+            "profile_time_s": self.profile_time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> VerifyCostCurve:
+        """The inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: the dict is not a curve of this format.
+        """
+        if d.get("format") != _FORMAT:
+            raise ValueError(f"verify cost curve format {d.get('format')!r}, expected {_FORMAT}")
+        return cls(
+            widths=tuple(int(w) for w in d["widths"]),
+            contexts=tuple(int(c) for c in d["contexts"]),
+            seconds=tuple(tuple(float(x) for x in r) for r in d["seconds"]),
+            device=str(d.get("device", "")),
+            key=str(d.get("key", "")),
+            profile_time_s=float(d.get("profile_time_s", 0.0)),
+        )
+
+    def merged(self, other: VerifyCostCurve) -> VerifyCostCurve:
+        """This curve with ``other``'s contexts added (same widths; ``other`` wins on a tie)."""
+        if other.widths != self.widths:
+            raise ValueError("cannot merge verify cost curves with different widths")
+        rows = dict(zip(self.contexts, self.seconds))
+        rows.update(zip(other.contexts, other.seconds))
+        cs = tuple(sorted(rows))
+        return attrs.evolve(
+            self,
+            contexts=cs,
+            seconds=tuple(rows[c] for c in cs),
+            profile_time_s=self.profile_time_s + other.profile_time_s,
+        )
+
+    def table(self) -> str:
+        """The curve as a text table: one row per context, cost relative to one step."""
+        head = "context  1-step ms  " + "  ".join(f"{w:>5}" for w in self.widths)
+        lines = [head]
+        for c, row in zip(self.contexts, self.seconds):
+            rel = "  ".join(f"{x / row[0]:5.2f}" if row[0] > 0 else "    -" for x in row)
+            lines.append(f"{c:>7}  {row[0] * 1000:9.1f}  {rel}")
+        return "\n".join(lines)
+
+
+def _max_positions(model: Any) -> int | None:
+    args = getattr(model, "args", None)
+    for attr in ("max_position_embeddings", "max_seq_len", "context_length"):
+        v = getattr(args, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def model_fingerprint(model: Any, verifier: Any = None) -> str:
+    """A key for what the cost of a forward depends on: parameter shapes and dtypes,
+    the model's config, the verifier, the device, the MLX version and the machine."""
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    args = getattr(model, "args", None)
+    try:
+        cfg = vars(args) if args is not None else {}
+    except TypeError:
+        cfg = {}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, p in tree_flatten(model.parameters()):
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    h.update(type(model).__module__.encode())
+    h.update(str(getattr(verifier, "name", "logits")).encode())
+    layers = getattr(verifier, "layers", ())
+    h.update(repr(tuple(layers) if layers else ()).encode())
+    h.update(str(mx.default_device()).encode())
+    h.update(mx.__version__.encode())
+    h.update(platform.machine().encode())
+    h.update(str(os.cpu_count()).encode())
+    return h.hexdigest()[:20]
+
+
+def _state(caches: list) -> list:
+    out = []
+    for c in caches:
+        st = getattr(c, "state", None)
+        if st is None:
+            continue
+        out.extend(x for x in (st if isinstance(st, (list, tuple)) else [st]) if x is not None)
+    return out
+
+
+def profile_verify_cost(
+    model: Any,
+    *,
+    verifier: Any = None,
+    widths: Sequence[int] = DEFAULT_WIDTHS,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    repeats: int = 2,
+    host: Any = None,
+    progress: Callable[[int, int, str], None] | None = None,
+    seed: int = 0,
+) -> VerifyCostCurve:
+    """Time verify forwards of each width at each context length.
+
+    For each context length, a fresh cache is filled with that many random tokens;
+    then every width is fed ``repeats`` times (plus one untimed warm-up),
+    interleaved, rolling the cache back after each forward through the core's
+    rollback plan, so every forward sees the same context. The median of each
+    cell is kept, and each row is made non-decreasing in the width (a wider
+    forward never costs less).
+
+    Args:
+        model: the target mlx-lm model.
+        verifier: the verifier whose ``verify`` is timed (default: logits only).
+        widths: tokens per forward to time (increasing, 1 included for the ratio).
+        contexts: context lengths (capped by the model's maximum positions).
+        repeats: timed forwards per cell.
+        host: the plugin host for the rollback plan (default: the process-wide one).
+        progress: called as ``progress(done, total, label)`` after each forward.
+        seed: the seed of the random tokens.
+
+    Raises:
+        ValueError: empty or non-increasing widths or contexts, or repeats < 1.
+        RuntimeError: the model's caches cannot be rolled back (nothing to profile with).
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .rollback import rollback_plan
+    from .verifiers import LogitsVerifier
+
+    widths = tuple(int(w) for w in widths)
+    if not widths or list(widths) != sorted(set(widths)) or widths[0] < 1:
+        raise ValueError(f"widths must be increasing integers >= 1, got {widths}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    limit = _max_positions(model)
+    cs = sorted({min(int(c), limit - widths[-1] - 1) if limit else int(c) for c in contexts})
+    cs = [c for c in cs if c >= 1]
+    if not cs:
+        raise ValueError(f"no context length to profile in {tuple(contexts)}")
+    verifier = verifier or LogitsVerifier()
+    vocab = model_vocab_size(model) or 256
+    total = len(cs) * len(widths) * (repeats + 1)
+    done = 0
+    t_start = time.perf_counter()
+    rows = []
+    for ctx_len in cs:
+        caches = make_prompt_cache(model)
+        prompt = mx.random.randint(
+            0, vocab, (ctx_len,), key=mx.random.key(seed * 1_000_003 + ctx_len)
+        )
+        for s in range(0, ctx_len, 512):
+            verifier.verify(model, prompt[s : s + 512], caches)
+            mx.eval(_state(caches))
+        plan = rollback_plan(caches, model=model, host=host)
+        if not plan.ok:
+            raise RuntimeError(f"cannot profile verify cost: {plan.reason}")
+        block = mx.random.randint(
+            0, vocab, (widths[-1],), key=mx.random.key(seed * 1_000_003 + ctx_len + 1)
+        )
+        mx.eval(block)
+        times: dict[int, list[float]] = {w: [] for w in widths}
+        for rep in range(repeats + 1):
+            order = widths if rep % 2 == 0 else tuple(reversed(widths))
+            for w in order:
+                txn = plan.begin()
+                t0 = time.perf_counter()
+                vr = verifier.verify(model, block[:w], caches)
+                mx.eval(vr.logits)
+                dt = time.perf_counter() - t0
+                txn.abort()
+                mx.eval(_state(caches))
+                if rep > 0:
+                    times[w].append(dt)
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"context {ctx_len}, width {w}")
+        row: list[float] = []
+        for w in widths:
+            v = statistics.median(times[w])
+            row.append(max(v, row[-1]) if row else v)
+        rows.append(tuple(row))
+        del caches
+    return VerifyCostCurve(
+        widths=widths,
+        contexts=tuple(cs),
+        seconds=tuple(rows),
+        device=str(mx.default_device()),
+        key=model_fingerprint(model, verifier),
+        profile_time_s=time.perf_counter() - t_start,
+    )
+
+
+class CostModel:
+    """A pipeline's verify cost curve: from the disk cache, else profiled once.
+
+    Args:
+        model: the target model.
+        verifier: the pipeline's verifier.
+        host: the plugin host (for the rollback plan while profiling).
+        widths / contexts / repeats: what :func:`profile_verify_cost` measures.
+        curve: a curve to use as is (no cache, no profiling): tests and callers
+            that measured their own.
+        directory: the cache folder (default :func:`cache_dir`); ``None`` with
+            ``persist=False`` keeps the curve in memory only.
+        persist: read and write the disk cache.
+        progress: see :func:`profile_verify_cost`; the default draws a progress
+            line on stderr (redrawn on a terminal, a start and an end line otherwise).
+        announce: draw that default progress line (``False``: profile silently).
+    """
+
+    #: curves by key, shared by the pipelines of one process.
+    _memory: dict[str, VerifyCostCurve] = {}
+
+    def __init__(
+        self,
+        model: Any,
+        verifier: Any = None,
+        *,
+        host: Any = None,
+        widths: Sequence[int] = DEFAULT_WIDTHS,
+        contexts: Sequence[int] = DEFAULT_CONTEXTS,
+        repeats: int = 2,
+        curve: VerifyCostCurve | None = None,
+        directory: str | os.PathLike | None = None,
+        persist: bool = True,
+        progress: Callable[[int, int, str], None] | None = None,
+        announce: bool = True,
+    ) -> None:
+        self.model = model
+        self.verifier = verifier
+        self.host = host
+        self.widths = tuple(widths)
+        self.contexts = tuple(contexts)
+        self.repeats = repeats
+        self.persist = persist
+        self.directory = Path(directory) if directory is not None else None
+        self.progress = progress
+        self.announce = announce
+        #: read the disk cache (``False``: profile again and replace it).
+        self.persist_read = True
+        self._curve = curve
+        self.source = "given" if curve is not None else None
+        self.longest_context = 0
+        self.key = model_fingerprint(model, verifier) if curve is None else curve.key
+        self._fingerprint = f"{self.key}-{'-'.join(map(str, self.widths))}"
+
+    @property
+    def path(self) -> Path:
+        """Where the curve is cached on disk."""
+        return (self.directory or cache_dir()) / "verify-cost" / f"{self._fingerprint}.json"
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the curve is at hand (no profiling left to do)."""
+        return self._curve is not None
+
+    def curve(self) -> VerifyCostCurve:
+        """The curve: in memory, else from disk, else profiled now (and cached)."""
+        if self._curve is not None:
+            return self._curve
+        mem = CostModel._memory.get(self._fingerprint)
+        if mem is not None:
+            self._curve, self.source = mem, "memory"
+            return mem
+        if self.persist and self.persist_read:
+            try:
+                curve = VerifyCostCurve.from_dict(json.loads(self.path.read_text()))
+                if curve.widths == self.widths:
+                    self._set(curve, "disk", write=False)
+                    return curve
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # missing, unreadable or stale: profile again
+        curve = self._profile(self.contexts)
+        self._set(curve, "profiled", write=True)
+        return curve
+
+    def cost(self, width: int, context: int) -> float:
+        """Seconds for a verify forward of ``width`` tokens at ``context`` (see the curve)."""
+        return self.curve().cost(width, context)
+
+    def note_context(self, context: int) -> None:
+        """Record a context length reached by a request (see :meth:`refresh`)."""
+        if context > self.longest_context:
+            self.longest_context = context
+
+    def refresh(self) -> bool:
+        """Profile a longer context when requests ran past twice the longest profiled one.
+
+        Returns:
+            Whether a longer context was profiled (and cached).
+        """
+        curve = self.curve()
+        longest = curve.contexts[-1]
+        want = min(self.longest_context, MAX_PROFILE_CONTEXT)
+        limit = _max_positions(self.model)
+        if limit:
+            want = min(want, limit - self.widths[-1] - 1)
+        if self.source == "given" or want <= 2 * longest:
+            return False
+        self._set(curve.merged(self._profile((want,))), "refreshed", write=True)
+        return True
+
+    def stats(self) -> dict:
+        """Where the curve came from, its contexts, widths, profiling time and cache path."""
+        c = self._curve
+        return {
+            "source": self.source,
+            "path": str(self.path) if self.persist and self.source != "given" else None,
+            "contexts": list(c.contexts) if c else [],
+            "widths": list(c.widths) if c else list(self.widths),
+            "profile_time_s": c.profile_time_s if c else 0.0,
+            "longest_context": self.longest_context,
+        }
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _profile(self, contexts: Sequence[int]) -> VerifyCostCurve:
+        progress = self.progress
+        if progress is None and self.announce:
+            progress = _stderr_progress(self.path if self.persist else None)
+        return profile_verify_cost(
+            self.model,
+            verifier=self.verifier,
+            widths=self.widths,
+            contexts=contexts,
+            repeats=self.repeats,
+            host=self.host,
+            progress=progress,
+        )
+
+    def _set(self, curve: VerifyCostCurve, source: str, *, write: bool) -> None:
+        self._curve, self.source = curve, source
+        CostModel._memory[self._fingerprint] = curve
+        if write and self.persist:
+            _write_atomic(self.path, json.dumps(curve.to_dict(), indent=1))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (safe against
+    concurrent writers: each rename is atomic and the last one wins)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache folder: keep the curve in memory only
+        pass
+
+
+def _stderr_progress(path: Path | None) -> Callable[[int, int, str], None]:
+    """A progress line on stderr: redrawn on a terminal; a start and an end line otherwise."""
+    tty = sys.stderr.isatty()
+    where = f"; cached in {path}" if path is not None else ""
+    head = (
+        f"specdec: profiling the verify cost of this model on {mx.default_device()} (once{where})"
+    )
+    t0 = time.perf_counter()
+
+    def draw(done: int, total: int, label: str) -> None:
+        if tty:
+            sys.stderr.write(f"\r{head} {done}/{total} {label:<26}")
+        elif done == 1:
+            sys.stderr.write(f"{head} ...\n")
+        if done >= total:
+            sys.stderr.write(
+                ("\n" if tty else "") + f"specdec: verify cost profiled in "
+                f"{time.perf_counter() - t0:.1f} s\n"
+            )
+        sys.stderr.flush()
+
+    return draw
+
+
+@attrs.frozen
+class BlockChoice:
+    """The outcome of :func:`best_block`.
+
+    Attributes:
+        size: the block size (0: do not draft).
+        expected_tokens: expected committed tokens of the round (bonus token included).
+        seconds: the expected time of the round.
+        rate: ``expected_tokens / seconds``.
+        gain: ``rate`` over the rate of a plain step (1.0 for ``size == 0``).
+    """
+
+    size: int
+    expected_tokens: float
+    seconds: float
+    rate: float
+    gain: float
+
+
+def best_block(
+    accept: Sequence[float],
+    cost: Callable[[int], float],
+    *,
+    max_size: int | None = None,
+    overhead_s: float = 0.0,
+    draft_cost: Callable[[int], float] | None = None,
+) -> BlockChoice:
+    """The block size with the most expected committed tokens per second.
+
+    A round that drafts ``k`` tokens commits ``1 + sum_{i<=k} prod_{j<=i} accept[j-1]``
+    tokens on average and costs ``cost(1 + k) + overhead_s + draft_cost(k)``. Size
+    0 (a plain step) is chosen only when no ``k`` has a higher rate; among equal
+    rates the smaller block wins.
+
+    Args:
+        accept: ``accept[i]``: the probability that position ``i + 1`` of the block is
+            accepted given that every position before it was.
+        cost: seconds of a verify forward of ``width`` tokens.
+        max_size: the largest block considered (default: ``len(accept)``).
+        overhead_s: host time per round outside the forward.
+        draft_cost: seconds to draft ``k`` tokens (default: free).
+    """
+    n = len(accept) if max_size is None else min(max_size, len(accept))
+    t0 = cost(1) + overhead_s
+    best = BlockChoice(0, 1.0, t0, 1.0 / t0 if t0 > 0 else math.inf, 1.0)
+    base = best.rate
+    p, expected = 1.0, 1.0
+    for k in range(1, n + 1):
+        p *= min(max(float(accept[k - 1]), 0.0), 1.0)
+        expected += p
+        t = cost(1 + k) + overhead_s + (draft_cost(k) if draft_cost is not None else 0.0)
+        rate = expected / t if t > 0 else math.inf
+        if rate > best.rate * (1.0 + 1e-9):
+            best = BlockChoice(k, expected, t, rate, rate / base if base > 0 else math.inf)
+        if p <= 0.0:
+            break
+    return best
+
+
+class AcceptanceEstimate:
+    """Per-position acceptance probabilities, learnt from verified and shadow outcomes.
+
+    Position ``i`` (1-based) is *reached* when a block of at least ``i`` tokens had
+    its first ``i - 1`` accepted; it is *accepted* when token ``i`` was too. The
+    estimate of position ``i`` is its accepted over reached counts, shrunk
+    towards the pooled rate of every position (``prior_weight`` pseudo-counts),
+    which is itself shrunk towards ``prior`` with one pseudo-count per side. Counts
+    decay by ``decay`` per outcome, so the estimate follows a request that moves
+    from copying to writing and back.
+
+    Args:
+        max_positions: the deepest position tracked.
+        prior: the pooled rate before any outcome.
+        prior_weight: pseudo-counts pulling each position to the pooled rate.
+        decay: the weight kept by older outcomes at each new one (1: no decay).
+    """
+
+    def __init__(
+        self,
+        max_positions: int = 64,
+        *,
+        prior: float = 0.5,
+        prior_weight: float = 2.0,
+        decay: float = 0.95,
+    ) -> None:
+        if max_positions < 1:
+            raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.max_positions = max_positions
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.reached = [0.0] * max_positions
+        self.accepted = [0.0] * max_positions
+        self.outcomes = 0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Learn that ``accepted`` of a ``proposed``-token block were accepted."""
+        proposed = min(int(proposed), self.max_positions)
+        if proposed <= 0:
+            return
+        accepted = max(0, min(int(accepted), proposed))
+        d = self.decay
+        if d < 1.0:
+            self.reached = [x * d for x in self.reached]
+            self.accepted = [x * d for x in self.accepted]
+        for i in range(min(accepted + 1, proposed)):
+            self.reached[i] += 1.0
+            if i < accepted:
+                self.accepted[i] += 1.0
+        self.outcomes += 1
+
+    def pooled(self) -> float:
+        """The acceptance rate over every position reached."""
+        return (sum(self.accepted) + self.prior) / (sum(self.reached) + 1.0)
+
+    def probs(self, n: int | None = None) -> list[float]:
+        """The estimates of positions ``1 .. n`` (default: every tracked position)."""
+        n = self.max_positions if n is None else min(n, self.max_positions)
+        pool = self.pooled()
+        w = self.prior_weight
+        return [(self.accepted[i] + w * pool) / (self.reached[i] + w) for i in range(n)]
+
+    def to_dict(self, n: int = 16) -> dict:
+        """The first ``n`` estimates, the pooled rate and the number of outcomes."""
+        return {
+            "outcomes": self.outcomes,
+            "pooled": round(self.pooled(), 4),
+            "positions": [round(p, 4) for p in self.probs(n)],
+        }

@@ -1,0 +1,285 @@
+"""The verify cost curve, its profiling and cache, best_block, acceptance estimates,
+shadow scoring, and how the pipeline hands them to drafters and governors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import specdec
+from specdec.costs import CostModel, VerifyCostCurve, model_fingerprint
+from specdec.testing import make_tiny_model, plugin_host
+
+
+def curve(rows, widths=(1, 2, 4, 8), contexts=(100, 1000)):
+    return VerifyCostCurve(widths=widths, contexts=contexts, seconds=tuple(map(tuple, rows)))
+
+
+# -- the curve -------------------------------------------------------------------
+
+
+def test_curve_interpolates_and_extrapolates():
+    c = curve([(1.0, 2.0, 4.0, 8.0), (2.0, 3.0, 5.0, 13.0)])
+    assert c.cost(4, 100) == 4.0 and c.cost(8, 1000) == 13.0
+    assert c.cost(3, 100) == pytest.approx(3.0)  # between widths 2 and 4
+    assert c.cost(12, 100) == pytest.approx(12.0)  # past 8: the last slope (1 per token)
+    assert c.cost(2, 550) == pytest.approx(2.5)  # between the contexts
+    assert c.cost(2, 50) == 2.0  # before the first context: the first row
+    assert c.cost(1, 1900) == pytest.approx(3.0)  # past the last context: the last slope
+    assert c.relative(1, 500) == 1.0
+    assert c.relative(8, 100) == pytest.approx(8.0)
+
+
+def test_curve_round_trips_and_rejects_bad_tables():
+    c = curve([(1.0, 2.0, 4.0, 8.0), (2.0, 3.0, 5.0, 13.0)])
+    assert VerifyCostCurve.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    with pytest.raises(ValueError, match="format"):
+        VerifyCostCurve.from_dict({**c.to_dict(), "format": 99})
+    with pytest.raises(ValueError, match="widths"):
+        VerifyCostCurve(widths=(2, 1), contexts=(1,), seconds=((1.0, 1.0),))
+    with pytest.raises(ValueError, match="one row per context"):
+        VerifyCostCurve(widths=(1, 2), contexts=(1, 2), seconds=((1.0, 1.0),))
+    merged = c.merged(curve([(9.0, 9.0, 9.0, 9.0)], contexts=(5000,)))
+    assert merged.contexts == (100, 1000, 5000) and merged.cost(1, 5000) == 9.0
+    assert "context" in c.table() and "8" in c.table().splitlines()[0]
+
+
+def test_profile_measures_every_width_and_context_and_leaves_no_state():
+    model = make_tiny_model("llama")
+    seen = []
+    c = specdec.profile_verify_cost(
+        model,
+        widths=(1, 3, 6),
+        contexts=(16, 40),
+        repeats=1,
+        progress=lambda done, total, label: seen.append((done, total)),
+    )
+    assert c.widths == (1, 3, 6) and c.contexts == (16, 40)
+    assert all(len(r) == 3 and list(r) == sorted(r) and r[0] > 0 for r in c.seconds)
+    assert seen[-1] == (2 * 3 * 2, 2 * 3 * 2)  # contexts x widths x (repeats + warm-up)
+    assert c.key == model_fingerprint(model)
+    with pytest.raises(ValueError, match="widths"):
+        specdec.profile_verify_cost(model, widths=(3, 1))
+
+
+def test_cost_model_profiles_once_then_reads_the_cache(tmp_path, monkeypatch):
+    model = make_tiny_model("qwen3")
+    calls = []
+    real = specdec.costs.profile_verify_cost
+
+    def counting(*a, **k):
+        calls.append(k["contexts"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(specdec.costs, "profile_verify_cost", counting)
+    monkeypatch.setattr(CostModel, "_memory", {})
+    opts = dict(widths=(1, 2, 4), contexts=(8, 24), repeats=1, directory=tmp_path)
+    m1 = CostModel(model, **opts)
+    c1 = m1.curve()
+    assert m1.source == "profiled" and m1.path.exists() and len(calls) == 1
+    assert CostModel(model, **opts).curve() == c1  # same process: from memory
+    monkeypatch.setattr(CostModel, "_memory", {})
+    m3 = CostModel(model, **opts)
+    assert m3.curve() == c1 and m3.source == "disk" and len(calls) == 1
+    # A request that ran past twice the longest profiled context profiles a longer one.
+    m3.note_context(30)
+    assert m3.refresh() is False
+    m3.note_context(100)
+    assert m3.refresh() is True and m3.curve().contexts[-1] == 100 and len(calls) == 2
+    assert m3.source == "refreshed" and m3.stats()["contexts"] == [8, 24, 100]
+    # Another width set is another cache entry.
+    assert CostModel(model, **{**opts, "widths": (1, 3)}).path != m1.path
+
+
+def test_cost_model_with_a_given_curve_never_profiles(tmp_path, monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("profiled")
+
+    monkeypatch.setattr(specdec.costs, "profile_verify_cost", fail)
+    given = curve([(1.0, 2.0, 4.0, 8.0), (2.0, 3.0, 5.0, 13.0)])
+    m = CostModel(make_tiny_model("llama"), curve=given, directory=tmp_path)
+    m.note_context(10**6)
+    assert m.curve() is given and m.refresh() is False and m.cost(8, 1000) == 13.0
+
+
+# -- choosing a block --------------------------------------------------------------
+
+
+def test_best_block_maximises_tokens_per_second():
+    def flat(w):
+        return 1.0
+
+    def linear(w):
+        return float(w)
+
+    def gentle(w):
+        return 1.0 + 0.1 * (w - 1)
+
+    assert specdec.best_block([1.0] * 8, flat).size == 8
+    assert specdec.best_block([0.0] * 8, gentle).size == 0
+    # Cost proportional to width: no block beats a plain step unless every token lands.
+    assert specdec.best_block([0.9, 0.9], linear).size == 0
+    c = specdec.best_block([0.9, 0.9], gentle)
+    assert c.size == 2
+    assert c.expected_tokens == pytest.approx(1 + 0.9 + 0.81)
+    assert c.rate == pytest.approx(2.71 / 1.2) and c.gain == pytest.approx(2.71 / 1.2)
+    # Position 3 is a coin flip at a steep extra cost: stop before it.
+    assert specdec.best_block([1.0, 1.0, 0.1], lambda w: 1.0 + (w > 3) * 5.0).size == 2
+    assert specdec.best_block([1.0] * 8, flat, max_size=3).size == 3
+    # Equal rates: the smaller block.
+    assert specdec.best_block([0.0, 1.0], flat).size == 0
+    # Drafting time counts.
+    assert specdec.best_block([0.5] * 4, flat, draft_cost=lambda k: k * 10.0).size == 0
+
+
+def test_acceptance_estimate_counts_reached_and_accepted_positions():
+    e = specdec.AcceptanceEstimate(4, prior_weight=0.0, decay=1.0)
+    e.observe(4, 2)  # positions 1, 2 accepted, 3 rejected, 4 never reached
+    e.observe(2, 2)
+    assert e.reached == [2.0, 2.0, 1.0, 0.0] and e.accepted == [2.0, 2.0, 0.0, 0.0]
+    assert e.probs(3) == [1.0, 1.0, 0.0]
+    assert e.pooled() == pytest.approx((4 + 0.5) / (5 + 1))
+    shrunk = specdec.AcceptanceEstimate(4, prior_weight=2.0, decay=1.0)
+    shrunk.observe(4, 2)
+    p = shrunk.pooled()
+    assert shrunk.probs()[3] == pytest.approx(p)  # unreached: the pooled rate
+    assert shrunk.probs()[2] == pytest.approx((0 + 2 * p) / (1 + 2))
+    decayed = specdec.AcceptanceEstimate(2, decay=0.5)
+    decayed.observe(1, 1)
+    decayed.observe(1, 0)
+    assert decayed.reached[0] == pytest.approx(1.5) and decayed.accepted[0] == pytest.approx(0.5)
+    assert decayed.to_dict(2)["outcomes"] == 2
+    with pytest.raises(ValueError):
+        specdec.AcceptanceEstimate(4, decay=0.0)
+
+
+# -- shadow scoring ----------------------------------------------------------------
+
+
+def test_shadow_score_follows_the_rounds_after_it():
+    s = specdec.ShadowScore(10, [1, 2, 3, 4])
+    assert not s.feed(10, [1])  # a plain step: one token matched
+    assert not s.feed(11, [2, 3]) and s.matched == 3
+    assert s.feed(13, [9, 9]) and s.outcome() == (4, 3) and not s.full
+    full = specdec.ShadowScore(0, [5, 6])
+    assert full.feed(0, [5, 6, 7]) and full.full and full.outcome() == (2, 2)
+    wrong = specdec.ShadowScore(0, [5, 6])
+    assert wrong.feed(0, [4]) and wrong.outcome() == (2, 0)
+    gap = specdec.ShadowScore(0, [5, 6])
+    assert gap.feed(3, [6]) and gap.lost
+    late = specdec.ShadowScore(5, [7])
+    assert late.feed(3, [1, 2, 7]) and late.full  # a round that began before it
+
+
+# -- the pipeline ------------------------------------------------------------------
+
+
+class _Copy(specdec.BaseDrafter):
+    """Proposes the next reference tokens; cheap, so it answers shadow() too."""
+
+    name = "shadowy"
+    uses_verify_cost = True
+
+    def __init__(self, reference=()):
+        self.reference = list(reference)
+        self.contexts = []
+
+    def session(self, ctx):
+        outer = self
+        outer.contexts.append(ctx)
+
+        class S(specdec.BaseDrafterSession):
+            shadowed = 0
+
+            def propose(self, history, max_len):
+                n = len(history)
+                toks = outer.reference[n : n + max_len]
+                return specdec.Draft(tokens=toks) if toks else None
+
+            def shadow(self, history, max_len):
+                S.shadowed += 1
+                return self.propose(history, max_len)
+
+        return S()
+
+
+class _Refuser(specdec.BaseGovernor):
+    """Refuses every other round and records the shadows it is shown."""
+
+    name = "refuser"
+
+    def __init__(self):
+        self.seen = []
+
+    def session(self, ctx):
+        outer = self
+
+        class G(specdec.BaseGovernorSession):
+            n = 0
+
+            def budget(self, drafter, max_len):
+                G.n += 1
+                return 0 if G.n % 2 else max_len
+
+            def observe_round(self, result):
+                outer.seen.append((result.start_position, dict(result.shadows), result.committed))
+
+        return G()
+
+
+def test_pipeline_shadows_refused_drafters_and_hands_out_the_cost_model(monkeypatch):
+    model = make_tiny_model("llama", vocab_size=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = prompt + specdec.assemble(model, policy="none").generate(prompt, max_tokens=24).tokens
+    drafter, governor = _Copy(ref), _Refuser()
+    given = curve([(1.0, 1.1, 1.2, 1.3), (1.0, 1.1, 1.2, 1.3)])
+
+    class P:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("shadowy", lambda: drafter)
+
+        @specdec.hookimpl
+        def specdec_register_governors(self, register):
+            register("refuser", lambda: governor)
+
+    with plugin_host(P(), load_entry_points=False) as host:
+        pipe = specdec.assemble(
+            model, policy={"drafters": ["shadowy"], "governor": "refuser"}, host=host
+        )
+        assert isinstance(pipe.cost_model, CostModel)
+        pipe.cost_model = CostModel(model, curve=given)
+        out = pipe.generate(prompt, max_tokens=24)
+    assert out.tokens == ref[len(prompt) :]
+    st = out.stats
+    assert drafter.contexts[-1].cost is pipe.cost_model
+    assert st.verify_cost["source"] == "given"
+    shadowed = [(p, sh, c) for p, sh, c in governor.seen if sh]
+    assert shadowed and st.shadow_proposals == len(shadowed)
+    for pos, sh, committed in shadowed:
+        # What the drafter would have proposed at that position: the reference from there on.
+        assert sh["shadowy"] == tuple(ref[pos : pos + len(sh["shadowy"])])
+        assert committed[0] == sh["shadowy"][0]
+    assert st.shadow_time_s > 0 and 0 < st.shadow_fraction < 1
+    assert sum(st.block_sizes.values()) == st.target_forwards
+    assert st.block_sizes.get(0, 0) == st.rounds_without_draft > 0
+    assert st.accepted > 0
+
+
+def test_no_cost_model_without_a_drafter_that_reads_it():
+    model = make_tiny_model("llama")
+    assert specdec.assemble(model, policy="none").cost_model is None
+
+    class NoCost(_Copy):
+        uses_verify_cost = False
+
+    class P:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("shadowy", NoCost)
+
+    with plugin_host(P(), load_entry_points=False) as host:
+        pipe = specdec.assemble(model, policy={"drafters": ["shadowy"]}, host=host)
+        assert pipe.cost_model is None
+        out = pipe.generate([1, 2, 3], max_tokens=4)
+    assert out.stats.verify_cost == {} and out.stats.shadow_proposals == 0
