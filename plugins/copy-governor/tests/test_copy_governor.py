@@ -61,6 +61,8 @@ def test_defaults():
         "suspend_after": 3,
         "suspend_rounds": 8,
         "max_suspend_rounds": 256,
+        "shadow": True,
+        "resume_matches": 2,
     }
 
 
@@ -84,6 +86,8 @@ def test_unknown_option_names_the_accepted_ones():
         ({"suspend_rounds": 2.0}, "suspend_rounds"),
         ({"suspend_rounds": 8, "max_suspend_rounds": 4}, "max_suspend_rounds"),
         ({"shrink_below": True}, "shrink_below"),
+        ({"shadow": "yes"}, "shadow"),
+        ({"resume_matches": 0}, "resume_matches"),
     ],
 )
 def test_bad_option_values(options, fragment):
@@ -289,3 +293,93 @@ def test_tokens_spent_suspended_are_counted_from_rounds():
     assert st["suspended_rounds"] == 2
     assert st["suspended_tokens"] == 2
     assert st["drafters"]["d"]["suspended_tokens"] == 2
+
+
+# -- shadow scoring ------------------------------------------------------------------
+
+
+def rr(start, committed, shadows=None):
+    """A round that committed ``committed`` at ``start`` (a plain step unless told)."""
+    return specdec.RoundResult(
+        drafter=None,
+        block=(),
+        n_accepted=0,
+        token=committed[-1],
+        committed=tuple(committed),
+        start_position=start,
+        shadows=shadows or {},
+    )
+
+
+def suspend(g, drafter=D):
+    for _ in range(g.config.suspend_after):
+        poor(g, drafter)
+    assert g.suspended(drafter)
+
+
+def test_matching_shadow_proposals_end_a_suspension():
+    g = gov(resume_matches=2)
+    suspend(g)
+    assert g.budget(D, 16) == 0
+    g.observe_round(rr(100, [5], {D: (5, 6, 7, 8)}))  # one token matched so far
+    assert g.suspended(D)
+    assert g.budget(D, 16) == 0
+    g.observe_round(rr(101, [6], {D: (6, 7, 8, 9)}))  # a second one: resume
+    assert not g.suspended(D)
+    st = g.stats()["drafters"][D]
+    assert st["shadow_resumes"] == 1 and st["shadow_rounds"] == 1
+    assert st["shadow_accepted"] == 2 and st["good_rounds"] == 1
+    assert g.budget(D, 16) > 0
+
+
+def test_a_fully_matched_short_shadow_resumes_at_once():
+    g = gov(resume_matches=8)
+    suspend(g)
+    g.budget(D, 16)
+    g.observe_round(rr(50, [1, 2, 3], {D: (1, 2)}))  # another drafter's round committed 3
+    assert not g.suspended(D)
+    assert g.stats()["shadow_resumes"] == 1
+
+
+def test_poor_shadows_extend_the_suspension_with_the_backoff():
+    g = gov(suspend_rounds=4, suspend_after=2)
+    suspend(g)
+    first = g.state(D).suspended_left
+    assert first == 4
+    pos = 10
+    for _ in range(2):  # two poor shadow outcomes in a row while suspended
+        g.budget(D, 16)
+        g.observe_round(rr(pos, [1], {D: (9, 9, 9)}))
+        pos += 1
+    s = g.state(D)
+    assert s.suspensions == 2 and s.shadow_extensions == 1
+    assert s.suspended_left == 8  # the doubled backoff, counted from now
+    assert g.stats()["shadow_extensions"] == 1
+
+
+def test_shadows_are_ignored_when_off_and_dropped_once_drafting_resumes():
+    g = gov(shadow=False)
+    suspend(g)
+    g.budget(D, 16)
+    g.observe_round(rr(0, [5], {D: (5, 6)}))
+    g.budget(D, 16)
+    g.observe_round(rr(1, [6], {D: (6, 7)}))
+    assert g.suspended(D) and g.stats()["shadow_rounds"] == 0
+    g2 = gov(resume_matches=5, suspend_rounds=1)
+    suspend(g2)
+    assert g2.budget(D, 16) == 0  # the last suspended round
+    g2.observe_round(rr(0, [5], {D: (5, 6, 7, 8, 9, 10)}))
+    assert g2.state(D).pending is not None
+    assert g2.budget(D, 16) > 0  # drafting for real again
+    g2.observe_round(rr(1, [6]))
+    assert g2.state(D).pending is None and g2.stats()["shadow_rounds"] == 0
+
+
+def test_shadow_across_a_gap_is_dropped_unscored():
+    g = gov()
+    suspend(g)
+    g.budget(D, 16)
+    g.observe_round(rr(0, [5], {D: (5, 6, 7)}))
+    g.budget(D, 16)
+    g.observe_round(rr(7, [6]))  # positions 1..6 never seen
+    assert g.state(D).pending is None and g.stats()["shadow_rounds"] == 0

@@ -49,7 +49,14 @@ def test_defaults_documented_and_applied():
     assert (d.source, d.min_n, d.max_n, d.max_block) == ("all", 2, 8, 16)
     assert d.ladder == ((2, 4), (4, 8), (8, 16))
     assert (d.max_edits, d.realign) == (1, True)
+    assert (d.sizing, d.continuation, d.min_share, d.decay) == ("cost", "frequent", 0.0, 0.95)
+    assert d.uses_verify_cost
+    assert not create_ngram_copy(sizing="ladder").uses_verify_cost
     assert set(DEFAULTS) == {
+        "sizing",
+        "continuation",
+        "min_share",
+        "decay",
         "source",
         "min_n",
         "max_n",
@@ -78,6 +85,10 @@ def test_unknown_option_names_the_accepted_ones():
         ({"min_n": 4, "max_n": 3}, "min_n"),
         ({"max_block": 0}, "max_block"),
         ({"ladder": []}, "ladder"),
+        ({"sizing": "fixed"}, "sizing"),
+        ({"continuation": "oldest"}, "continuation"),
+        ({"min_share": 1.5}, "min_share"),
+        ({"decay": 0.0}, "decay"),
         ({"ladder": [[2, 4], [2, 8]]}, "increasing"),
         ({"ladder": [[2, 0]]}, "block"),
         ({"ladder": [[2, 4, 6]]}, "ladder"),
@@ -262,3 +273,98 @@ def test_rename_is_copied_through():
     assert d.stats()["realigned"] == 1
     exact = started(source, max_edits=0, realign=False)
     assert exact.propose(h, 8) is None
+
+
+# -- cost-aware block sizes, frequency-aware continuations, shadow scoring ---------------
+
+
+def cost_ctx(prompt, cost):
+    c = ctx(prompt)
+    c.cost = specdec.CostModel(None, curve=cost) if cost is not None else None
+    return c
+
+
+def flat_curve(step=1.0, per_token=0.01):
+    widths = (1, 2, 4, 8, 17)
+    row = tuple(step + per_token * (w - 1) for w in widths)
+    return specdec.VerifyCostCurve(widths=widths, contexts=(1,), seconds=(row,))
+
+
+PERIOD = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_without_a_cost_model_the_session_sizes_by_the_ladder_and_says_so():
+    s = create_ngram_copy().session(ctx(PERIOD * 3))
+    assert s.sizing == "ladder" and s.stats()["sizing_used"] == "ladder"
+
+
+def test_cheap_verify_drafts_the_whole_continuation():
+    s = create_ngram_copy().session(cost_ctx(PERIOD * 3, flat_curve(per_token=0.0)))
+    d = s.propose(PERIOD * 3, 16)
+    assert d is not None and len(d.tokens) == 16  # wide verify free: all of it
+    assert s.stats()["block_sizes"] == {16: 1} and s.stats()["sizing_used"] == "cost"
+
+
+def test_dear_verify_declines_and_shadow_outcomes_make_it_draft_again():
+    # Every extra token costs as much as a step: only near-certain tokens pay.
+    s = create_ngram_copy().session(cost_ctx(PERIOD * 2, flat_curve(per_token=0.6)))
+    history = PERIOD * 2
+    assert s.propose(history, 16) is None
+    assert s.stats()["declined"] == 1 and s._pending is not None
+    proposed = None
+    for i in range(40):  # plain steps that follow the copy: the shadow outcomes match
+        tok = PERIOD[i % len(PERIOD)]
+        history = commit(s, history, [tok])
+        proposed = s.propose(history, 16)
+        if proposed is not None:
+            break
+    assert proposed is not None, s.stats()
+    st = s.stats()
+    assert st["shadow_scored"] >= 1 and st["shadow_accepted"] >= 1
+    assert any(e["pooled"] > 0.5 for e in st["estimates"].values())
+
+
+def test_verified_outcomes_shape_the_estimates():
+    s = create_ngram_copy().session(cost_ctx(PERIOD * 3, flat_curve(per_token=0.05)))
+    history = PERIOD * 3
+    sizes = []
+    for i in range(12):  # every block is rejected at its first token
+        tok = PERIOD[i % len(PERIOD)]
+        d = s.propose(history, 16)
+        if d is None:
+            sizes.append(0)
+            history = commit(s, history, [tok])
+            continue
+        sizes.append(len(d.tokens))
+        history = commit(s, history, [tok], block=d.tokens, n_accepted=0, drafter_name=s.name)
+    # Blocks shrink, then stop paying (the shadow outcomes, which match here since the
+    # committed tokens continue the copy, soon make it try again).
+    assert sizes[0] > 1 and sizes[1] < sizes[0] and 0 in sizes, sizes
+    assert s.stats()["declined"] > 0
+
+
+def test_shadow_is_not_counted_as_a_proposal():
+    s = create_ngram_copy().session(cost_ctx(PERIOD * 3, flat_curve(per_token=0.001)))
+    d = s.shadow(PERIOD * 3, 16)
+    assert d is not None and len(d.tokens) >= 1
+    st = s.stats()
+    assert st["hits"] == 0 and st["proposed_tokens"] == 0 and st["lookups"] == 0
+    assert st["shadow_lookups"] == 1 and st["shadow_time_s"] > 0
+    assert s.shadow([42], 16) is None  # nothing to copy
+
+
+def test_frequent_continuation_beats_the_most_recent():
+    # "1 2 3" was followed by 7 twice and by 9 once (most recently).
+    prompt = [1, 2, 3, 7, 50, 1, 2, 3, 7, 51, 1, 2, 3, 9, 52, 1, 2, 3]
+    freq = started(prompt, min_n=3, max_n=3, ladder=[[3, 1]], max_edits=0)
+    recent = started(prompt, min_n=3, max_n=3, ladder=[[3, 1]], max_edits=0, continuation="recent")
+    assert freq.propose(prompt, 1).tokens == (7,)
+    assert recent.propose(prompt, 1).tokens == (9,)
+
+
+def test_min_share_shortens_the_block_at_a_branch():
+    prompt = [1, 2, 3, 4, 7, 60, 1, 2, 3, 4, 8, 61, 1, 2, 3]
+    s = started(prompt, min_n=3, max_n=3, ladder=[[3, 8]], max_edits=0, min_share=0.6)
+    assert s.propose(prompt, 8).tokens == (4,)  # the branch after 4 is a coin flip
+    s2 = started(prompt, min_n=3, max_n=3, ladder=[[3, 8]], max_edits=0)
+    assert len(s2.propose(prompt, 8).tokens) > 1

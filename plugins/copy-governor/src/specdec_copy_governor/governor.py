@@ -15,6 +15,16 @@ wrong block costs a wider verify forward. The governor keeps that cost small:
   new suspension up to ``max_suspend_rounds``, and resets to ``suspend_rounds``
   after a good round.
 
+- **Shadow scoring** (``shadow``, on by default). While a drafter is suspended,
+  the core asks it what it *would* have proposed (``DrafterSession.shadow``, for
+  drafters whose proposals are cheap) and hands that to the governor in
+  ``RoundResult.shadows``. The governor compares the proposal with the tokens the
+  target commits from then on (:class:`specdec.ShadowScore`: no extra forward)
+  and scores the outcome as it scores a verified round: a good shadow round ends
+  the suspension at once and counts towards probation, poor ones in a row extend
+  it (with the doubling backoff). A suspension also ends as soon as a pending
+  shadow proposal has matched ``resume_matches`` tokens.
+
 A round is one call of :meth:`CopyGovernor.budget` for that drafter; while it is
 suspended, each of its rounds is a round in which it was not asked (a plain
 decode step when no other drafter proposes, i.e. one token). The governor
@@ -27,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import specdec
-from specdec import BaseGovernor, BaseGovernorSession, RequestContext, RoundResult
+from specdec import BaseGovernor, BaseGovernorSession, RequestContext, RoundResult, ShadowScore
 
 NAME = "copy_governor"
 
@@ -42,6 +52,8 @@ DEFAULTS: Mapping[str, Any] = {
     "suspend_after": 3,
     "suspend_rounds": 8,
     "max_suspend_rounds": 256,
+    "shadow": True,
+    "resume_matches": 2,
 }
 
 
@@ -62,6 +74,12 @@ class DrafterState:
         "skipped_this_round",
         "backoff",
         "last_cap",
+        "pending",
+        "shadow_rounds",
+        "shadow_proposed",
+        "shadow_accepted",
+        "shadow_resumes",
+        "shadow_extensions",
     )
 
     def __init__(self, backoff: int) -> None:
@@ -78,6 +96,12 @@ class DrafterState:
         self.skipped_this_round = False
         self.backoff = backoff
         self.last_cap: int | None = None
+        self.pending: ShadowScore | None = None
+        self.shadow_rounds = 0  # shadow proposals scored
+        self.shadow_proposed = 0
+        self.shadow_accepted = 0
+        self.shadow_resumes = 0  # suspensions ended by a shadow outcome
+        self.shadow_extensions = 0  # suspensions extended by poor shadow outcomes
 
 
 def _check_fraction(label: str, value: Any) -> float:
@@ -113,6 +137,10 @@ class CopyGovernor(BaseGovernor):
         suspend_rounds: the first suspension's length in rounds; also what the
             backoff resets to after a good round.
         max_suspend_rounds: the ceiling of the doubling backoff.
+        shadow: score the proposals a suspended drafter would have made (see the
+            module docstring).
+        resume_matches: a pending shadow proposal that has matched this many tokens
+            ends a suspension before it is resolved.
 
     Raises:
         specdec.PolicyError: an option has a bad value.
@@ -132,6 +160,8 @@ class CopyGovernor(BaseGovernor):
         suspend_after: int = DEFAULTS["suspend_after"],
         suspend_rounds: int = DEFAULTS["suspend_rounds"],
         max_suspend_rounds: int = DEFAULTS["max_suspend_rounds"],
+        shadow: bool = DEFAULTS["shadow"],
+        resume_matches: int = DEFAULTS["resume_matches"],
     ) -> None:
         self.alpha = _check_fraction("alpha", alpha)
         if self.alpha == 0.0:
@@ -154,6 +184,12 @@ class CopyGovernor(BaseGovernor):
                 f"{NAME}: max_suspend_rounds ({max_suspend_rounds}) must be >= "
                 f"suspend_rounds ({suspend_rounds})"
             )
+        if not isinstance(shadow, bool):
+            raise specdec.PolicyError(
+                f"{NAME}: option shadow must be true or false, got {shadow!r}"
+            )
+        self.shadow = shadow
+        self.resume_matches = _check_int("resume_matches", resume_matches, 1)
 
     # -- the Governor protocol ----------------------------------------------------
 
@@ -191,10 +227,14 @@ class CopyGovernorSession(BaseGovernorSession):
             return
         s = self.state(drafter)
         accepted = max(0, min(accepted, proposed))
-        frac = accepted / proposed
         s.rounds += 1
         s.proposed += proposed
         s.accepted += accepted
+        self._score(s, proposed, accepted)
+
+    def _score(self, s: DrafterState, proposed: int, accepted: int) -> None:
+        # One outcome, verified or shadow: EMA, probation, backoff and suspension.
+        frac = accepted / proposed
         s.ema = (
             frac if s.ema is None else self.config.alpha * frac + (1.0 - self.config.alpha) * s.ema
         )
@@ -210,19 +250,71 @@ class CopyGovernorSession(BaseGovernorSession):
             s.poor_streak = 0  # "several poor rounds" means in a row
 
     def observe_round(self, result: RoundResult) -> None:
-        """Count the tokens committed in a round a drafter sat out suspended."""
-        for s in self._states.values():
+        """Count the tokens committed in a round a drafter sat out suspended, and score
+        shadow proposals against what the round committed."""
+        sat_out = set()
+        for name, s in self._states.items():
             if s.skipped_this_round:
                 s.suspended_tokens += len(result.committed)
                 s.skipped_this_round = False
+                sat_out.add(name)
+        if not self.config.shadow:
+            return
+        for name, tokens in result.shadows.items():
+            s = self.state(name)
+            if s.pending is None and tokens:
+                s.pending = ShadowScore(result.start_position, tokens)
+        for name, s in self._states.items():
+            if s.pending is None:
+                continue
+            if name in sat_out:
+                self._feed_shadow(s, result)
+            else:
+                s.pending = None  # drafting for real again: real rounds score it now
+
+    def _feed_shadow(self, s: DrafterState, result: RoundResult) -> None:
+        p = s.pending
+        assert p is not None
+        p.feed(result.start_position, result.committed)
+        if p.lost:
+            s.pending = None
+            return
+        if not p.resolved:
+            if s.suspended_left > 0 and p.matched >= self.config.resume_matches:
+                # Matching already: resume now, scored as the good round it is so far.
+                s.pending = None
+                s.shadow_rounds += 1
+                s.shadow_proposed += p.matched
+                s.shadow_accepted += p.matched
+                self._score(s, p.matched, p.matched)
+                s.suspended_left = 0
+                s.shadow_resumes += 1
+            return
+        s.pending = None
+        proposed, accepted = p.outcome()
+        s.shadow_rounds += 1
+        s.shadow_proposed += proposed
+        s.shadow_accepted += accepted
+        was_suspended = s.suspended_left > 0
+        before = s.suspensions
+        self._score(s, proposed, accepted)
+        if was_suspended and accepted / proposed >= self.config.good_fraction:
+            s.suspended_left = 0
+            s.shadow_resumes += 1
+        elif was_suspended and s.suspensions > before:
+            s.shadow_extensions += 1
 
     def stats(self) -> dict:
         """Totals and per-drafter state: EMA, cap, probation, suspensions, rounds and tokens suspended."""
         drafters = {name: self._state_dict(name, s) for name, s in self._states.items()}
+        states = self._states.values()
         return {
-            "suspensions": sum(s.suspensions for s in self._states.values()),
-            "suspended_rounds": sum(s.suspended_rounds for s in self._states.values()),
-            "suspended_tokens": sum(s.suspended_tokens for s in self._states.values()),
+            "suspensions": sum(s.suspensions for s in states),
+            "suspended_rounds": sum(s.suspended_rounds for s in states),
+            "suspended_tokens": sum(s.suspended_tokens for s in states),
+            "shadow_rounds": sum(s.shadow_rounds for s in states),
+            "shadow_resumes": sum(s.shadow_resumes for s in states),
+            "shadow_extensions": sum(s.shadow_extensions for s in states),
             "drafters": drafters,
         }
 
@@ -279,6 +371,11 @@ class CopyGovernorSession(BaseGovernorSession):
             "rounds": s.rounds,
             "proposed": s.proposed,
             "accepted": s.accepted,
+            "shadow_rounds": s.shadow_rounds,
+            "shadow_proposed": s.shadow_proposed,
+            "shadow_accepted": s.shadow_accepted,
+            "shadow_resumes": s.shadow_resumes,
+            "shadow_extensions": s.shadow_extensions,
         }
 
 

@@ -6,21 +6,57 @@ committed tokens occurred before in the context, and what followed there is a
 good guess for what comes next. Drafts are deterministic (``Draft.probs`` is
 ``None``), so greedy output stays token-identical to plain decoding and sampled
 output keeps the target's distribution (point-mass acceptance).
+
+How long a block is (``sizing``):
+
+- ``"cost"`` (the default): the block size that maximises expected committed
+  tokens per second (:func:`specdec.best_block`), from per-position acceptance
+  estimates (:class:`specdec.AcceptanceEstimate`, one per match-length bucket,
+  learnt from verified rounds and from shadow outcomes) times the voting share
+  of each proposed token, and the measured cost of verifying ``k`` tokens at the
+  current context length (``ctx.cost``, the pipeline's :class:`specdec.CostModel`).
+  Where no size pays it proposes nothing, and scores what it would have proposed
+  against what the target commits (:class:`specdec.ShadowScore`), so it learns
+  when copying pays again without a forward.
+- ``"ladder"``: the fixed ``ladder`` of match lengths to block sizes.
+
+Which continuation (``continuation``): ``"frequent"`` (the default) lets every
+earlier occurrence that matches as much context vote token by token
+(:meth:`NgramIndex.ranked_continuation`); ``"recent"`` copies what followed the
+most recent one.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import specdec
-from specdec import BaseDrafter, BaseDrafterSession, Draft, RequestContext, RoundResult
+from specdec import (
+    AcceptanceEstimate,
+    BaseDrafter,
+    BaseDrafterSession,
+    Draft,
+    RequestContext,
+    RoundResult,
+    ShadowScore,
+    best_block,
+)
 
 from .index import NgramIndex, NgramMatch
 
 NAME = "ngram_copy"
 
 SOURCES = ("all", "prompt")
+SIZINGS = ("cost", "ladder")
+CONTINUATIONS = ("frequent", "recent")
+#: Match-length buckets of the acceptance estimates (lower bounds); realigned
+#: matches (right after an edit) have a bucket of their own.
+MATCH_BUCKETS = (0, 4, 8, 16, 32)
+#: A pending shadow proposal that has matched this many tokens is scored at once
+#: (as accepted that far), so a copy that resumes is drafted again within two steps.
+SHADOW_EARLY = 2
 
 #: Default options of ``ngram_copy`` (see the README for what each one does).
 DEFAULTS: Mapping[str, Any] = {
@@ -31,6 +67,10 @@ DEFAULTS: Mapping[str, Any] = {
     "max_block": 16,
     "max_edits": 1,
     "realign": True,
+    "sizing": "cost",
+    "continuation": "frequent",
+    "min_share": 0.0,
+    "decay": 0.95,
 }
 
 
@@ -80,6 +120,16 @@ class NgramCopyDrafter(BaseDrafter):
             over when it is extended backwards, 0 to 2 (0: exact matching).
         realign: right after an edit, copy on from the aligned source position
             past the edited token.
+        sizing: ``"cost"`` chooses each block's size from acceptance estimates and
+            the verify cost curve; ``"ladder"`` uses ``ladder`` (see the module
+            docstring).
+        continuation: ``"frequent"`` (earlier occurrences vote, most frequent token
+            first, then most recent) or ``"recent"`` (the most recent occurrence).
+        min_share: with ``"frequent"``, end the block before a token that fewer than
+            this share of the voting occurrences agree on (0: never; the cost
+            sizing already weighs each token by its share).
+        decay: how much older outcomes keep of their weight in the acceptance
+            estimates at each new one (1: no decay).
 
     Raises:
         specdec.PolicyError: an option has a bad value.
@@ -97,6 +147,10 @@ class NgramCopyDrafter(BaseDrafter):
         max_block: int = DEFAULTS["max_block"],
         max_edits: int = DEFAULTS["max_edits"],
         realign: bool = DEFAULTS["realign"],
+        sizing: str = DEFAULTS["sizing"],
+        continuation: str = DEFAULTS["continuation"],
+        min_share: float = DEFAULTS["min_share"],
+        decay: float = DEFAULTS["decay"],
     ) -> None:
         if source not in SOURCES:
             raise specdec.PolicyError(
@@ -117,6 +171,29 @@ class NgramCopyDrafter(BaseDrafter):
             raise specdec.PolicyError(
                 f"{NAME}: option realign must be true or false, got {realign!r}"
             )
+        if sizing not in SIZINGS:
+            raise specdec.PolicyError(
+                f"{NAME}: option sizing must be one of {list(SIZINGS)}, got {sizing!r}"
+            )
+        if continuation not in CONTINUATIONS:
+            raise specdec.PolicyError(
+                f"{NAME}: option continuation must be one of {list(CONTINUATIONS)}, "
+                f"got {continuation!r}"
+            )
+        for label, value, lo_open in (("min_share", min_share, False), ("decay", decay, True)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (0.0 < value <= 1.0 if lo_open else 0.0 <= value <= 1.0)
+            ):
+                rng = "(0, 1]" if lo_open else "[0, 1]"
+                raise specdec.PolicyError(
+                    f"{NAME}: option {label} must be a number in {rng}, got {value!r}"
+                )
+        self.sizing = sizing
+        self.continuation = continuation
+        self.min_share = float(min_share)
+        self.decay = float(decay)
         self.source = source
         self.min_n = min_n
         self.max_n = max_n
@@ -127,9 +204,14 @@ class NgramCopyDrafter(BaseDrafter):
 
     # -- the Drafter protocol -------------------------------------------------------
 
+    @property
+    def uses_verify_cost(self) -> bool:
+        """The cost sizing reads the pipeline's verify cost curve (``ctx.cost``)."""
+        return self.sizing == "cost"
+
     def session(self, ctx: RequestContext) -> NgramCopySession:
         """A request's session: the prompt indexed (O(1) per token)."""
-        return NgramCopySession(self, ctx.prompt_tokens)
+        return NgramCopySession(self, ctx.prompt_tokens, cost=getattr(ctx, "cost", None))
 
     def block_for(self, match_len: int) -> int:
         """The ladder's block size for a match of ``match_len`` tokens (0 below the first rung)."""
@@ -142,19 +224,36 @@ class NgramCopyDrafter(BaseDrafter):
 
 
 class NgramCopySession(BaseDrafterSession):
-    """One request of ``ngram_copy``: its n-gram index and counts.
+    """One request of ``ngram_copy``: its n-gram index, acceptance estimates and counts.
 
     Args:
         drafter: the drafter whose options apply.
         prompt_tokens: the request's prompt, indexed at once.
+        cost: the pipeline's :class:`specdec.CostModel` (for ``sizing = "cost"``;
+            without one the session sizes blocks by the ladder and says so in
+            ``stats()["sizing_used"]``).
     """
 
-    def __init__(self, drafter: NgramCopyDrafter, prompt_tokens: Sequence[int]) -> None:
+    def __init__(
+        self, drafter: NgramCopyDrafter, prompt_tokens: Sequence[int], *, cost: Any = None
+    ) -> None:
         self.drafter = drafter
         self.name = drafter.name
+        self.cost = cost
+        self.sizing = drafter.sizing if (drafter.sizing != "cost" or cost is not None) else "ladder"
         self._prompt_len = 0
         self._dirty = False
         self._reset_stats()
+        d = drafter
+        self.estimates = [
+            AcceptanceEstimate(max(d.max_block, 1), decay=d.decay)
+            for _ in range(len(MATCH_BUCKETS) + 1)
+        ]
+        #: every outcome, whichever bucket: the prior of a bucket with few outcomes.
+        self.overall = AcceptanceEstimate(max(d.max_block, 1), decay=d.decay)
+        self._bucket: int | None = None  # the bucket of the block in flight
+        self._pending: ShadowScore | None = None  # an unverified proposal being scored
+        self._pending_bucket = 0
         self._rebuild([int(t) for t in prompt_tokens], prompt_len=len(prompt_tokens))
 
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
@@ -168,21 +267,26 @@ class NgramCopySession(BaseDrafterSession):
 
         Returns:
             A deterministic :class:`specdec.Draft`, or ``None`` when nothing matches
-            (or the match is shorter than the ladder's first rung, or ``max_len < 1``).
+            (or no block size pays, or the match is shorter than the ladder's first
+            rung, or ``max_len < 1``).
         """
         self._sync(history)
+        self._bucket = None
         if max_len < 1:
             return None
         self.lookups += 1
-        match = self.index.find()
-        if match is None:
+        plan = self._plan(len(history), max_len)
+        if plan is None:
             self.misses += 1
             return None
-        size = min(self.drafter.block_for(match.length), self.drafter.max_block, max_len)
-        tokens = self.index.continuation(match, size) if size > 0 else []
-        if not tokens:
-            self.misses += 1
+        match, tokens, bucket, size = plan
+        if size < 1:
+            self.declined += 1
+            t0 = time.perf_counter()
+            self._start_shadow(len(history), tokens, bucket)
+            self.shadow_time_s += time.perf_counter() - t0
             return None
+        tokens = tokens[:size]
         self.hits += 1
         if match.skipped:
             self.realigned += 1
@@ -190,14 +294,40 @@ class NgramCopySession(BaseDrafterSession):
         self.match_len_total += match.length
         self.longest_match = max(self.longest_match, match.length)
         self.last_match = match
+        self.sizes[size] = self.sizes.get(size, 0) + 1
+        self._bucket = bucket
         return Draft(tokens=tokens)
 
+    def shadow(self, history: Sequence[int], max_len: int) -> Draft | None:
+        """What :meth:`propose` would propose, without counting it (for shadow scoring
+        while the governor has suspended this drafter). The session scores it too."""
+        t0 = time.perf_counter()
+        self._sync(history)
+        self._bucket = None
+        out = None
+        plan = self._plan(len(history), max_len) if max_len >= 1 else None
+        if plan is not None:
+            _, tokens, bucket, size = plan
+            self.shadow_lookups += 1
+            self._start_shadow(len(history), tokens, bucket)
+            out = Draft(tokens=tokens[: max(size, 1)])
+        self.shadow_time_s += time.perf_counter() - t0
+        return out
+
     def observe(self, result: RoundResult) -> None:
-        """Index the tokens committed this round (whoever drafted them)."""
+        """Index the tokens committed this round (whoever drafted them) and learn
+        from the outcome of this drafter's block and of a pending shadow proposal."""
         if result.drafter == self.name:
             self.accepted_tokens += result.n_accepted
             self.rounds_verified += 1
+            if self._bucket is not None and result.block:
+                self._learn(self._bucket, len(result.block), result.n_accepted)
+        self._bucket = None
         committed = result.committed
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            self._feed_shadow(result)
+            self.shadow_time_s += time.perf_counter() - t0
         if not committed:
             return
         have = len(self.index)
@@ -217,16 +347,23 @@ class NgramCopySession(BaseDrafterSession):
     def end(self) -> None:
         """Drop the per-request index."""
         self._prompt_len = 0
+        self._pending = None
         self.index = self._new_index(0)
 
     def stats(self) -> dict:
         """Per-request counts: lookups, hits (``realigned``: after an edit), misses,
-        proposed/accepted tokens, match lengths, index size, resyncs."""
+        proposed/accepted tokens, match lengths, index size, resyncs; the block sizes
+        chosen, rounds declined (no size paid), shadow scoring, and the acceptance
+        estimates per match-length bucket."""
+        names = [f"match>={b}" for b in MATCH_BUCKETS] + ["realigned"]
         return {
             "source": self.drafter.source,
+            "sizing_used": self.sizing,
+            "continuation": self.drafter.continuation,
             "lookups": self.lookups,
             "hits": self.hits,
             "misses": self.misses,
+            "declined": self.declined,
             "proposed_tokens": self.proposed_tokens,
             "accepted_tokens": self.accepted_tokens,
             "rounds_verified": self.rounds_verified,
@@ -236,9 +373,93 @@ class NgramCopySession(BaseDrafterSession):
             "indexed_tokens": len(self.index),
             "index_entries": self.index.entries,
             "resyncs": self.resyncs,
+            "block_sizes": dict(sorted(self.sizes.items())),
+            "shadow_lookups": self.shadow_lookups,
+            "shadow_scored": self.shadow_scored,
+            "shadow_accepted": self.shadow_accepted,
+            "shadow_time_s": self.shadow_time_s,
+            "overall_estimate": self.overall.to_dict(min(16, self.overall.max_positions)),
+            "estimates": {
+                n: e.to_dict(min(16, e.max_positions))
+                for n, e in zip(names, self.estimates)
+                if e.outcomes
+            },
         }
 
     # -- helpers ------------------------------------------------------------------
+
+    def _plan(self, context: int, max_len: int) -> tuple[NgramMatch, list[int], int, int] | None:
+        """The match, its continuation, its bucket and the block size to propose (0:
+        none pays), or ``None`` when nothing matches."""
+        d = self.drafter
+        match = self.index.find()
+        if match is None:
+            return None
+        if self.sizing == "ladder":
+            count = min(d.block_for(match.length), d.max_block, max_len)
+        else:
+            count = min(d.max_block, max_len)
+        if count < 1:
+            return None
+        if d.continuation == "frequent":
+            tokens, shares = self.index.ranked_continuation(match, count, min_share=d.min_share)
+        else:
+            tokens, shares = self.index.continuation(match, count), None
+        if not tokens:
+            return None
+        bucket = self._bucket_of(match)
+        if self.sizing == "ladder":
+            return match, tokens, bucket, len(tokens)
+        est = self.estimates[bucket]
+        est.prior = self.overall.pooled()
+        accept = est.probs(len(tokens))
+        if shares is not None:
+            accept = [a * sh for a, sh in zip(accept, shares)]
+        cost = self.cost
+
+        def verify(width: int) -> float:
+            return cost.cost(width, context)
+
+        choice = best_block(accept, verify, max_size=len(tokens))
+        return match, tokens, bucket, choice.size
+
+    @staticmethod
+    def _bucket_of(match: NgramMatch) -> int:
+        if match.skipped:
+            return len(MATCH_BUCKETS)
+        b = 0
+        for i, lo in enumerate(MATCH_BUCKETS):
+            if match.length >= lo:
+                b = i
+        return b
+
+    def _start_shadow(self, position: int, tokens: list[int], bucket: int) -> None:
+        if self._pending is None and tokens:
+            self._pending = ShadowScore(position, tokens)
+            self._pending_bucket = bucket
+
+    def _feed_shadow(self, result: RoundResult) -> None:
+        p = self._pending
+        assert p is not None
+        if result.drafter == self.name and result.block:
+            self._pending = None  # a verified block of ours scores these positions now
+            return
+        done = p.feed(result.start_position, result.committed)
+        if not done and p.matched < SHADOW_EARLY:
+            return
+        self._pending = None
+        if p.lost:
+            return
+        # Matching so far: what is known is that the first ``matched`` would have been
+        # accepted (censored there), which is enough to start drafting again.
+        proposed, accepted = p.outcome() if done else (p.matched, p.matched)
+        self._learn(self._pending_bucket, proposed, accepted)
+        self.shadow_scored += 1
+        self.shadow_accepted += accepted
+
+    def _learn(self, bucket: int, proposed: int, accepted: int) -> None:
+        self.estimates[bucket].observe(proposed, accepted)
+        self.overall.observe(proposed, accepted)
 
     def _new_index(self, prompt_len: int) -> NgramIndex:
         # "prompt": copy only from the first prompt_len tokens.
@@ -272,6 +493,7 @@ class NgramCopySession(BaseDrafterSession):
         self.lookups = 0
         self.hits = 0
         self.misses = 0
+        self.declined = 0
         self.proposed_tokens = 0
         self.accepted_tokens = 0
         self.rounds_verified = 0
@@ -280,6 +502,11 @@ class NgramCopySession(BaseDrafterSession):
         self.realigned = 0
         self.last_match: NgramMatch | None = None
         self.resyncs = 0
+        self.sizes: dict[int, int] = {}
+        self.shadow_lookups = 0
+        self.shadow_scored = 0
+        self.shadow_accepted = 0
+        self.shadow_time_s = 0.0
 
 
 def create_ngram_copy(**options: Any) -> NgramCopyDrafter:
