@@ -147,3 +147,92 @@ def test_copy_preset_reports_governor_stats(model):
     out = pipe.generate(prompt, max_tokens=24)
     assert "ngram_copy" in out.stats.governor["drafters"]
     assert {"suspensions", "suspended_rounds", "drafters"} <= set(out.stats.governor)
+
+
+# -- shadow scoring in the loop -------------------------------------------------------
+
+
+class _Flip(specdec.BaseDrafter):
+    """Copies the reference, wrongly before position ``switch`` and rightly after; its
+    proposals are a lookup, so it answers ``shadow()`` too."""
+
+    name = "flip"
+
+    def __init__(self, reference=(), switch=0, block=8):
+        self.reference, self.switch, self.block = list(reference), switch, block
+
+    def session(self, ctx):
+        d = self
+
+        class S(specdec.BaseDrafterSession):
+            def propose(self, history, max_len):
+                n = len(history)
+                toks = d.reference[n : n + min(max_len, d.block)]
+                if n < d.switch:
+                    toks = [(t + 1) % 64 for t in toks]
+                return specdec.Draft(tokens=toks) if toks else None
+
+            def shadow(self, history, max_len):
+                return self.propose(history, max_len)
+
+        return S()
+
+
+def _flip_host():
+    class P:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("flip", _Flip)
+
+    return plugin_host(P())
+
+
+@pytest.mark.parametrize("shadow", [True, False])
+def test_shadow_scoring_ends_a_suspension_once_the_drafter_is_right(model, reference, shadow):
+    switch = len(PROMPT) + 12
+    pol = specdec.Policy(
+        name="flip",
+        drafters=("flip",),
+        governor="copy_governor",
+        options={
+            "flip": {"reference": reference, "switch": switch},
+            "copy_governor": {"shadow": shadow, "suspend_rounds": 32},
+        },
+    )
+    with _flip_host() as host:
+        pipe = specdec.assemble(model, policy=pol, host=host)
+        sizes = []
+        out = pipe.generate(
+            PROMPT,
+            max_tokens=64,
+            on_round=lambda r, c: sizes.append((r.start_position, len(r.block))),
+        )
+    assert out.tokens == reference[len(PROMPT) : len(PROMPT) + 64]
+    g = out.stats.governor
+    assert g["suspensions"] >= 1
+    # The first drafted round after the drafter turned right.
+    resumed = next(p for p, k in sizes if p >= switch and k > 0)
+    if shadow:
+        assert g["shadow_resumes"] >= 1 and out.stats.shadow_proposals > 0
+        assert resumed <= switch + 2  # two matched shadow tokens, then drafting again
+        assert out.stats.shadow_fraction < 0.02
+    else:
+        assert g["shadow_resumes"] == 0 and out.stats.shadow_proposals > 0
+        assert resumed > switch + 8  # the 32-round suspension runs out first
+    assert out.stats.accepted > 0
+
+
+def test_poor_shadows_keep_a_wrong_drafter_suspended(model, reference):
+    pol = specdec.Policy(
+        name="flip",
+        drafters=("flip",),
+        governor="copy_governor",
+        options={"flip": {"reference": reference, "switch": 10**9}},
+    )
+    with _flip_host() as host:
+        out = specdec.assemble(model, policy=pol, host=host).generate(PROMPT, max_tokens=64)
+    assert out.tokens == reference[len(PROMPT) : len(PROMPT) + 64]
+    g = out.stats.governor
+    # One suspension, extended by its shadow outcomes instead of running out into probation.
+    assert g["suspensions"] >= 2 and g["shadow_extensions"] >= 1
+    assert out.stats.drafted <= 3 * 4 + 4  # three poor probation rounds, then at most one more

@@ -240,3 +240,51 @@ def test_sampled_seeded_runs_match_plain():
         model, COPY, copy_heavy("llama", 64), seeds=range(4), max_tokens=24, temperature=1.0
     )
     assert totals["drafted"] > 0
+
+
+# -- every sizing and continuation option stays exact ------------------------------------------
+
+VARIANTS = [
+    {"sizing": "cost", "continuation": "frequent"},
+    {"sizing": "cost", "continuation": "recent"},
+    {"sizing": "ladder", "continuation": "frequent"},
+    {"sizing": "cost", "continuation": "frequent", "min_share": 0.6, "decay": 1.0},
+]
+VARIANT_IDS = ["cost-frequent", "cost-recent", "ladder-frequent", "min-share"]
+
+
+@pytest.mark.parametrize("options", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("governed", [False, True], ids=["ngram", "copy"])
+def test_greedy_identity_for_every_option(arch_model, options, governed):
+    arch, vocab, model = arch_model
+    base = COPY if governed else NGRAM
+    pol = base.with_options("ngram_copy", **options)
+    prompt = copy_heavy(arch, vocab)
+    totals = check_greedy_identity(model, pol, prompt, max_tokens_list=(1, 5, 16, 32))
+    assert totals["drafted"] > 0 and totals["accepted"] > 0
+
+
+@pytest.mark.parametrize("options", VARIANTS[:2], ids=VARIANT_IDS[:2])
+def test_sampled_distribution_for_the_cost_sizing(options):
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    pol = COPY.with_options("ngram_copy", **options)
+    prompt = copy_heavy("llama", 64, policy=pol)
+    check_sampled_distribution(model, pol, prompt, temperature=1.0, max_tokens=2, n_samples=1000)
+
+
+def test_cost_sizing_reads_the_pipelines_curve_and_reports_its_choices():
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    prompt = copy_heavy("llama", 64)
+    pipe = specdec.assemble(model, policy=NGRAM)
+    assert pipe.cost_model is not None
+    s = pipe.generate(prompt, max_tokens=32).stats
+    per = s.per_drafter["ngram_copy"]
+    assert per["sizing_used"] == "cost" and per["continuation"] == "frequent"
+    assert sum(per["block_sizes"].values()) == per["hits"] > 0
+    assert per["estimates"] and per["overall_estimate"]["outcomes"] > 0
+    assert s.verify_cost["source"] in ("profiled", "disk", "memory", "refreshed")
+    # The core's histogram counts the same blocks, plus the rounds that drafted nothing.
+    drafted = {k: v for k, v in s.block_sizes.items() if k > 0}
+    assert drafted == per["block_sizes"]
+    ladder = specdec.assemble(model, policy=NGRAM.with_options("ngram_copy", sizing="ladder"))
+    assert ladder.cost_model is None

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 from .drafter import DEFAULTS, NgramCopyDrafter, NgramCopySession, create_ngram_copy
 from .index import NgramIndex, NgramMatch
+from .store import CopyStore, CopyStoreError, StoreMatch
 
 __version__ = "0.2.0"
 
 __all__ = [
     "DEFAULTS",
+    "CopyStore",
+    "CopyStoreError",
     "NgramCopyDrafter",
     "NgramCopySession",
     "NgramIndex",
     "NgramMatch",
+    "StoreMatch",
     "create_ngram_copy",
 ]

@@ -24,11 +24,20 @@ Which continuation (``continuation``): ``"frequent"`` (the default) lets every
 earlier occurrence that matches as much context vote token by token
 (:meth:`NgramIndex.ranked_continuation`); ``"recent"`` copies what followed the
 most recent one.
+
+Across requests (``store``): an optional :class:`~specdec_ngram.store.CopyStore` of
+earlier requests' outputs (one per pipeline, in memory or in a file shared by
+processes), looked up when the current context has no match, for agent loops
+that re-emit what they produced before. Its matches have an acceptance estimate
+of their own (the ``"store"`` bucket); every request's output is added to it
+when the request ends.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,6 +54,7 @@ from specdec import (
 )
 
 from .index import NgramIndex, NgramMatch
+from .store import CopyStore, CopyStoreError
 
 NAME = "ngram_copy"
 
@@ -54,6 +64,9 @@ CONTINUATIONS = ("frequent", "recent")
 #: Match-length buckets of the acceptance estimates (lower bounds); realigned
 #: matches (right after an edit) have a bucket of their own.
 MATCH_BUCKETS = (0, 4, 8, 16, 32)
+#: The acceptance-estimate bucket of matches found in the cross-request store
+#: (after the match-length buckets and the realigned one).
+STORE_BUCKET = len(MATCH_BUCKETS) + 1
 #: A pending shadow proposal that has matched this many tokens is scored at once
 #: (as accepted that far), so a copy that resumes is drafted again within two steps.
 SHADOW_EARLY = 2
@@ -71,6 +84,8 @@ DEFAULTS: Mapping[str, Any] = {
     "continuation": "frequent",
     "min_share": 0.0,
     "decay": 0.95,
+    "store": False,
+    "store_max_tokens": 200_000,
 }
 
 
@@ -130,9 +145,19 @@ class NgramCopyDrafter(BaseDrafter):
             sizing already weighs each token by its share).
         decay: how much older outcomes keep of their weight in the acceptance
             estimates at each new one (1: no decay).
+        store: a cross-request store of earlier requests' outputs, looked up when
+            the context has no match: ``False`` (none), ``True`` (in memory, for
+            this pipeline) or a file path (on disk, shared by every pipeline and
+            process that names it; see :mod:`specdec_ngram.store`).
+        store_max_tokens: the most tokens the store keeps (the oldest requests'
+            outputs are dropped first).
+
+    Attributes:
+        store: the :class:`~specdec_ngram.store.CopyStore`, or ``None``.
 
     Raises:
-        specdec.PolicyError: an option has a bad value.
+        specdec.PolicyError: an option has a bad value, or the store's file is not
+            a store (or is corrupt, or cannot be read).
     """
 
     name = NAME
@@ -151,6 +176,8 @@ class NgramCopyDrafter(BaseDrafter):
         continuation: str = DEFAULTS["continuation"],
         min_share: float = DEFAULTS["min_share"],
         decay: float = DEFAULTS["decay"],
+        store: bool | str | os.PathLike = DEFAULTS["store"],
+        store_max_tokens: int = DEFAULTS["store_max_tokens"],
     ) -> None:
         if source not in SOURCES:
             raise specdec.PolicyError(
@@ -190,6 +217,24 @@ class NgramCopyDrafter(BaseDrafter):
                 raise specdec.PolicyError(
                     f"{NAME}: option {label} must be a number in {rng}, got {value!r}"
                 )
+        if not isinstance(store, (bool, str, os.PathLike)) or (
+            not isinstance(store, bool) and not os.fspath(store)
+        ):
+            raise specdec.PolicyError(
+                f"{NAME}: option store must be true, false or a file path, got {store!r}"
+            )
+        if not _is_int(store_max_tokens) or store_max_tokens < 1:
+            raise specdec.PolicyError(
+                f"{NAME}: option store_max_tokens must be an integer >= 1, got {store_max_tokens!r}"
+            )
+        self.store_max_tokens = store_max_tokens
+        self.store: CopyStore | None = None
+        if store is not False:
+            path = None if store is True else os.path.expanduser(os.fspath(store))
+            try:
+                self.store = CopyStore(path, max_tokens=store_max_tokens, min_n=min_n, max_n=max_n)
+            except (CopyStoreError, OSError) as exc:
+                raise specdec.PolicyError(f"{NAME}: option store: {exc}") from exc
         self.sizing = sizing
         self.continuation = continuation
         self.min_share = float(min_share)
@@ -210,8 +255,17 @@ class NgramCopyDrafter(BaseDrafter):
         return self.sizing == "cost"
 
     def session(self, ctx: RequestContext) -> NgramCopySession:
-        """A request's session: the prompt indexed (O(1) per token)."""
+        """A request's session: the prompt indexed (O(1) per token); a store on disk
+        is reloaded first when its file changed."""
+        if self.store is not None:
+            self.store.refresh()
         return NgramCopySession(self, ctx.prompt_tokens, cost=getattr(ctx, "cost", None))
+
+    def reset(self) -> None:
+        """Forget what earlier requests left: empty the store (on disk too). The
+        benchmark calls it before each prelude request."""
+        if self.store is not None:
+            self.store.clear()
 
     def block_for(self, match_len: int) -> int:
         """The ladder's block size for a match of ``match_len`` tokens (0 below the first rung)."""
@@ -246,8 +300,7 @@ class NgramCopySession(BaseDrafterSession):
         self._reset_stats()
         d = drafter
         self.estimates = [
-            AcceptanceEstimate(max(d.max_block, 1), decay=d.decay)
-            for _ in range(len(MATCH_BUCKETS) + 1)
+            AcceptanceEstimate(max(d.max_block, 1), decay=d.decay) for _ in range(STORE_BUCKET + 1)
         ]
         #: every outcome, whichever bucket: the prior of a bucket with few outcomes.
         self.overall = AcceptanceEstimate(max(d.max_block, 1), decay=d.decay)
@@ -290,6 +343,9 @@ class NgramCopySession(BaseDrafterSession):
         self.hits += 1
         if match.skipped:
             self.realigned += 1
+        if bucket == STORE_BUCKET:
+            self.store_hits += 1
+            self.store_proposed_tokens += len(tokens)
         self.proposed_tokens += len(tokens)
         self.match_len_total += match.length
         self.longest_match = max(self.longest_match, match.length)
@@ -322,6 +378,8 @@ class NgramCopySession(BaseDrafterSession):
             self.rounds_verified += 1
             if self._bucket is not None and result.block:
                 self._learn(self._bucket, len(result.block), result.n_accepted)
+            if self._bucket == STORE_BUCKET:
+                self.store_accepted_tokens += result.n_accepted
         self._bucket = None
         committed = result.committed
         if self._pending is not None:
@@ -345,7 +403,21 @@ class NgramCopySession(BaseDrafterSession):
         self.index.extend(committed[overlap:])
 
     def end(self) -> None:
-        """Drop the per-request index."""
+        """Add the request's output (the tokens after the prompt) to the store, if
+        there is one, and drop the per-request index. A store that cannot be
+        written is reported as a :class:`RuntimeWarning` (the core does not let an
+        error in ``end()`` escape)."""
+        store = self.drafter.store
+        output = self.index.tokens[self._prompt_len :]
+        if store is not None and output:
+            try:
+                store.add(output)
+            except (CopyStoreError, OSError, ValueError) as exc:
+                warnings.warn(
+                    f"{NAME}: the request's output was not stored: {exc}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self._prompt_len = 0
         self._pending = None
         self.index = self._new_index(0)
@@ -353,9 +425,11 @@ class NgramCopySession(BaseDrafterSession):
     def stats(self) -> dict:
         """Per-request counts: lookups, hits (``realigned``: after an edit), misses,
         proposed/accepted tokens, match lengths, index size, resyncs; the block sizes
-        chosen, rounds declined (no size paid), shadow scoring, and the acceptance
-        estimates per match-length bucket."""
-        names = [f"match>={b}" for b in MATCH_BUCKETS] + ["realigned"]
+        chosen, rounds declined (no size paid), shadow scoring, the acceptance
+        estimates per match-length bucket (and ``"store"``), and the cross-request
+        store's hits, proposed and accepted tokens and size (as this request saw it)."""
+        names = [f"match>={b}" for b in MATCH_BUCKETS] + ["realigned", "store"]
+        store = self.drafter.store
         return {
             "source": self.drafter.source,
             "sizing_used": self.sizing,
@@ -378,6 +452,12 @@ class NgramCopySession(BaseDrafterSession):
             "shadow_scored": self.shadow_scored,
             "shadow_accepted": self.shadow_accepted,
             "shadow_time_s": self.shadow_time_s,
+            "store": store is not None,
+            "store_hits": self.store_hits,
+            "store_proposed_tokens": self.store_proposed_tokens,
+            "store_accepted_tokens": self.store_accepted_tokens,
+            "store_tokens": 0 if store is None else store.n_tokens,
+            "store_documents": 0 if store is None else store.n_documents,
             "overall_estimate": self.overall.to_dict(min(16, self.overall.max_positions)),
             "estimates": {
                 n: e.to_dict(min(16, e.max_positions))
@@ -390,24 +470,34 @@ class NgramCopySession(BaseDrafterSession):
 
     def _plan(self, context: int, max_len: int) -> tuple[NgramMatch, list[int], int, int] | None:
         """The match, its continuation, its bucket and the block size to propose (0:
-        none pays), or ``None`` when nothing matches."""
+        none pays), or ``None`` when nothing matches. Without a match in the context,
+        the store (if any) is looked up: its match (``position`` in the store) gets
+        the ``"store"`` bucket and shares of 1.0."""
         d = self.drafter
         match = self.index.find()
+        found = None
         if match is None:
-            return None
+            if d.store is None:
+                return None
+            found = d.store.match(self.index.tokens)
+            if found is None:
+                return None
+            match = NgramMatch(found.position, found.length, found.n)
         if self.sizing == "ladder":
             count = min(d.block_for(match.length), d.max_block, max_len)
         else:
             count = min(d.max_block, max_len)
         if count < 1:
             return None
-        if d.continuation == "frequent":
+        if found is not None:
+            tokens, shares = d.store.continuation(found, count), None
+        elif d.continuation == "frequent":
             tokens, shares = self.index.ranked_continuation(match, count, min_share=d.min_share)
         else:
             tokens, shares = self.index.continuation(match, count), None
         if not tokens:
             return None
-        bucket = self._bucket_of(match)
+        bucket = STORE_BUCKET if found is not None else self._bucket_of(match)
         if self.sizing == "ladder":
             return match, tokens, bucket, len(tokens)
         est = self.estimates[bucket]
@@ -507,6 +597,9 @@ class NgramCopySession(BaseDrafterSession):
         self.shadow_scored = 0
         self.shadow_accepted = 0
         self.shadow_time_s = 0.0
+        self.store_hits = 0
+        self.store_proposed_tokens = 0
+        self.store_accepted_tokens = 0
 
 
 def create_ngram_copy(**options: Any) -> NgramCopyDrafter:
