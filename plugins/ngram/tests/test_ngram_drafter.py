@@ -52,7 +52,10 @@ def test_defaults_documented_and_applied():
     assert (d.sizing, d.continuation, d.min_share, d.decay) == ("cost", "frequent", 0.0, 0.95)
     assert d.uses_verify_cost
     assert not create_ngram_copy(sizing="ladder").uses_verify_cost
+    assert (d.store, d.store_max_tokens) == (None, 200_000)
     assert set(DEFAULTS) == {
+        "store",
+        "store_max_tokens",
         "sizing",
         "continuation",
         "min_share",
