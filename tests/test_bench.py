@@ -132,7 +132,7 @@ def assert_usage_error(rc: int, out: str, err: str, needle: str) -> None:
 
 def test_shipped_workloads():
     ws = load_workloads()
-    assert list(ws) == ["code-edit", "extraction", "prose"]
+    assert list(ws) == ["code-edit", "extraction", "prose", "follow-up"]
     assert workload_names() == list(ws)
     for w in ws.values():
         assert w.description and w.license and w.template
@@ -152,6 +152,12 @@ def test_shipped_workloads():
     assert ext.expected.startswith(ext.answer_prefix)
     prose = ws["prose"]
     assert prose.source == "" and prose.expected is None and prose.faithfulness("x") is None
+    assert all(not w.prelude and w.prelude_ids(None) is None for w in (code, ext, prose))
+    follow = ws["follow-up"]
+    # the second request asks for the prelude's answer again, with one more method
+    assert follow.prelude and follow.prelude_request != follow.request
+    assert follow.request.startswith(follow.prelude.split(" Reply")[0])
+    assert "prelude" in follow.description and follow.expected is None
 
 
 def test_workload_texts_have_a_notice():
@@ -166,7 +172,7 @@ def test_get_workloads_selection_and_unknown():
         "prose",
         "code-edit",
     ]
-    assert len(get_workloads(None)) == 3
+    assert len(get_workloads(None)) == 4
     with pytest.raises(specdec.RequestError, match="code-edit, extraction, prose"):
         get_workloads(["nope"])
 
@@ -229,6 +235,41 @@ def test_run_bench_interleaves_off_and_on(loaded):
     assert len(r.off) == len(r.on) == 3
     assert r.identical is True
     assert list(r.record()) == list(RECORD_FIELDS)
+
+
+def test_run_bench_runs_the_prelude_before_every_run(loaded, monkeypatch):
+    from specdec.bench import runner
+
+    model, tok = loaded
+    w = attrs.evolve(_ext_workload("abc def abc def\n"), prelude="Say: {source}")
+    pre_ids = w.prelude_ids(specdec.assemble(model, tok, "none"))
+    calls = []  # (kind, prelude?, documents in the on pipeline's store before the run)
+    real = runner._run_pipeline
+
+    def spy(kind, pipe, ids, n, temp, seed):
+        stores = [d.store for d in pipe.drafters if getattr(d, "store", None) is not None]
+        calls.append((kind, ids == pre_ids, [s.n_documents for s in stores]))
+        return real(kind, pipe, ids, n, temp, seed)
+
+    monkeypatch.setattr(runner, "_run_pipeline", spy)
+    policy = specdec.load_policy("copy").with_options("ngram_copy", store=True)
+    order = []
+    (res,) = run_bench(
+        model,
+        tok,
+        [w],
+        policy=policy,
+        runs=2,
+        max_tokens=5,
+        on_run=lambda kind, w, temp, i: order.append((kind, i)),
+    )
+    # preludes are not reported to on_run: it sees the runs as without a prelude
+    assert order == [("off", -1), ("on", -1)] + [(k, i) for i in range(2) for k in ("off", "on")]
+    # every run (warm-up included) follows a prelude on the same pipeline; the on
+    # pipeline's store holds only the prelude's output when its run starts
+    each_round = [("off", True, []), ("off", False, []), ("on", True, [0]), ("on", False, [1])]
+    assert calls == each_round * 3
+    assert res.identical is True and len(res.on) == 2
 
 
 def test_run_bench_with_baseline_and_temperatures(loaded):
@@ -512,7 +553,7 @@ def test_cli_json_records_have_exactly_the_fields(capsys, byte_model):
     rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), *FAST, "--json")
     assert rc == 0, err
     records = json.loads(out)  # stdout is only the JSON list
-    assert [r["workload"] for r in records] == ["code-edit", "extraction", "prose"]
+    assert [r["workload"] for r in records] == ["code-edit", "extraction", "prose", "follow-up"]
     for r in records:
         assert list(r) == list(RECORD_FIELDS)
         assert r["identical"] is True
@@ -716,7 +757,7 @@ def test_cli_random_weights_from_a_config(capsys, tmp_path):
     assert rc == 0, err
     assert "(random weights, seed 0)" in err
     records = json.loads(out)
-    assert [r["workload"] for r in records] == ["code-edit", "extraction", "prose"]
+    assert [r["workload"] for r in records] == ["code-edit", "extraction", "prose", "follow-up"]
     assert all(r["identical"] for r in records)
     assert "| n/a |" in err  # no faithfulness for a model with random weights
 

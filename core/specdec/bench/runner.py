@@ -19,6 +19,15 @@ Several policies can be measured against the same ``off`` runs (``policies=``;
 bench --sweep gdn_transaction.strategy=capture,tape,rerun`` does): each round then
 runs ``off``, ``mlx-lm``, and every policy in turn, and each policy gets its own
 :class:`WorkloadResult` sharing the ``off`` and ``mlx-lm`` runs.
+
+A workload with a ``prelude`` (a first request; see
+:class:`~specdec.bench.workloads.Workload`) has it run, untimed and with the same
+``max_tokens``, temperature and seed, right before every run of every contender
+(warm-up runs included), on that contender's own pipeline (through mlx-lm for
+the mlx-lm kinds). Before each prelude the pipeline's drafters that have a
+``reset()`` method forget what earlier requests left them (``ngram_copy`` empties
+its store, a store file included), so every measured run finds exactly the
+prelude's output there, never the output of an earlier measured run.
 """
 
 from __future__ import annotations
@@ -541,7 +550,7 @@ def run_bench(
         on_run: called as ``on_run(kind, workload, temp, run_index)`` before each
             measured run (``run_index`` is -1 for warm-up runs). ``kind`` is ``"off"``,
             ``"mlx-lm"``, ``"mlx-lm-spec"``, and ``"on"`` (one policy) or
-            ``"on:<policy name>"`` (several).
+            ``"on:<policy name>"`` (several). Preludes are not reported.
 
     Returns:
         One :class:`WorkloadResult` per (temperature, workload, policy),
@@ -622,6 +631,20 @@ def run_bench(
             return _run_mlx_lm(model, tokenizer, ids, n, temp, seed, draft, k)
         return _run_pipeline("off" if kind == "off" else "on", pipes[kind], ids, n, temp, seed)
 
+    def prelude(kind: str, pre_ids: list[int] | None, temp: float, label: str) -> None:
+        # The workload's first request, untimed, on the pipeline the next run uses,
+        # after the drafters forgot what earlier requests left them.
+        if pre_ids is None:
+            return
+        if progress is not None:
+            progress.start(f"{label}: prelude {kind}")
+        pipe = pipes.get(kind)
+        for d in getattr(pipe, "drafters", ()) if pipe is not None else ():
+            reset = getattr(d, "reset", None)
+            if callable(reset):
+                reset()
+        run(kind, pre_ids, max_tokens, temp)
+
     def kinds_at(temp: float, i: int) -> list[str]:
         # mlx-lm accepts a sampled draft only when the target samples the same token
         # (not rejection sampling): its speculative runs are compared greedy only.
@@ -633,6 +656,7 @@ def run_bench(
     for temp in temps:
         for w in workloads:
             ids = w.prompt_ids(off_pipe)
+            pre_ids = w.prelude_ids(off_pipe)
             off: list[RunSample] = []
             base: list[RunSample] = []
             per_kind = {}
@@ -660,16 +684,18 @@ def run_bench(
                 for kind in kinds:
                     if kind in spec_pairs and not greedy_temps:
                         continue
+                    wtemp = 0.0 if kind in spec_pairs else temp
+                    prelude(kind, pre_ids, wtemp, label)
                     if progress is not None:
                         progress.start(f"{label}: warm-up {kind}")
                     if on_run is not None:
                         on_run(kind, w, temp, -1)
-                    wtemp = 0.0 if kind in spec_pairs else temp
                     run(kind, ids, min(WARMUP_TOKENS, max_tokens), wtemp)
                     if progress is not None:
                         progress.advance()
             for i in range(runs):
                 for kind in kinds_at(temp, i):
+                    prelude(kind, pre_ids, temp, label)
                     if progress is not None:
                         progress.start(f"{label}: {kind} run {i + 1}/{runs}")
                     if on_run is not None:

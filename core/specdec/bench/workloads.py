@@ -8,6 +8,12 @@ followed by ``answer_prefix`` encoded as raw text (the first characters of the
 answer, so that a small model starts where the answer starts). When the
 workload has an ``expected`` answer, :func:`faithfulness` says how much of it
 the output reproduced.
+
+A workload may have a ``prelude``: a first request (a template like ``template``,
+through the chat template when ``chat_template`` is true) that the runner sends,
+untimed, on the same pipeline right before every run of every contender, so
+that what a drafter keeps across requests (``ngram_copy``'s store) holds its
+output when the measured request starts; see :func:`~specdec.bench.run_bench`.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class Workload:
             characters of the answer. It counts as part of the output when the
             output is compared with :attr:`expected`.
         license: where the text comes from and under which licence.
+        prelude: a first request (``{source}`` is replaced by :attr:`source`) run
+            untimed before every run of the measured one ("" for none).
     """
 
     name: str
@@ -75,6 +83,7 @@ class Workload:
     chat_template: bool = True
     answer_prefix: str = ""
     license: str = ""
+    prelude: str = ""
 
     @property
     def request(self) -> str:
@@ -87,6 +96,17 @@ class Workload:
         if self.answer_prefix:
             ids = ids + _encode_raw(pipe.tokenizer, self.answer_prefix)
         return ids
+
+    @property
+    def prelude_request(self) -> str:
+        """The prelude request with the source text in it ("" without a prelude)."""
+        return self.prelude.replace("{source}", self.source)
+
+    def prelude_ids(self, pipe: Any) -> list[int] | None:
+        """The prelude's prompt token ids for ``pipe`` (``None`` without a prelude)."""
+        if not self.prelude:
+            return None
+        return pipe.encode_prompt(self.prelude_request, chat_template=self.chat_template)
 
     def faithfulness(self, output: str, *, complete: bool = False) -> float | None:
         """:func:`faithfulness` of ``answer_prefix + output`` to :attr:`expected` (``None`` without one)."""
@@ -166,6 +186,7 @@ def load_workloads() -> dict[str, Workload]:
             chat_template=bool(w.get("chat_template", True)),
             answer_prefix=w.get("answer_prefix", ""),
             license=w.get("license", ""),
+            prelude=w.get("prelude", ""),
         )
     return out
 
