@@ -356,7 +356,8 @@ class NgramCopySession(BaseDrafterSession):
 
     def shadow(self, history: Sequence[int], max_len: int) -> Draft | None:
         """What :meth:`propose` would propose, without counting it (for shadow scoring
-        while the governor has suspended this drafter). The session scores it too."""
+        while the governor has suspended this drafter): ``None`` when nothing matches or
+        no block size pays. The session scores the continuation itself either way."""
         t0 = time.perf_counter()
         self._sync(history)
         self._bucket = None
@@ -366,7 +367,8 @@ class NgramCopySession(BaseDrafterSession):
             _, tokens, bucket, size = plan
             self.shadow_lookups += 1
             self._start_shadow(len(history), tokens, bucket)
-            out = Draft(tokens=tokens[: max(size, 1)])
+            if size >= 1:  # a block that would not pay is not proposed (but self-scored)
+                out = Draft(tokens=tokens[:size])
         self.shadow_time_s += time.perf_counter() - t0
         return out
 
