@@ -132,7 +132,7 @@ def assert_usage_error(rc: int, out: str, err: str, needle: str) -> None:
 
 def test_shipped_workloads():
     ws = load_workloads()
-    assert list(ws) == ["code-edit", "extraction", "prose", "follow-up"]
+    assert list(ws) == ["code-edit", "code-rewrite", "extraction", "prose", "follow-up"]
     assert workload_names() == list(ws)
     for w in ws.values():
         assert w.description and w.license and w.template
@@ -143,6 +143,19 @@ def test_shipped_workloads():
     assert code.expected == re.sub(r"\bfilename\b", "file_path", code.source)
     assert "{source}" in code.template and code.source in code.request
     assert code.expected.startswith(code.answer_prefix.split("\n", 1)[1])
+    rewrite = ws["code-rewrite"]
+    # a completion (no chat template): the whole file, one identifier renamed
+    assert not rewrite.chat_template
+    assert 70 <= len(rewrite.source.splitlines()) <= 120
+    assert re.search(r"\battrname\b", rewrite.source) and "attr_name" not in rewrite.source
+    assert rewrite.expected == re.sub(r"\battrname\b", "attr_name", rewrite.source)
+    assert rewrite.request.count(rewrite.source) == 2  # the file, printed twice
+    # the grep lines of the prompt are the expected answer's renamed lines
+    for i, ln in enumerate(rewrite.expected.split("\n"), 1):
+        if "attr_name" in ln:
+            assert f"\n{i}:{ln}\n" in rewrite.request
+    assert rewrite.request.endswith("\n") and rewrite.answer_prefix
+    assert rewrite.expected.startswith(rewrite.answer_prefix + "\n")
     ext = ws["extraction"]
     paragraphs = ext.expected.strip("\n").split("\n\n")
     assert len(paragraphs) == 4
@@ -152,7 +165,7 @@ def test_shipped_workloads():
     assert ext.expected.startswith(ext.answer_prefix)
     prose = ws["prose"]
     assert prose.source == "" and prose.expected is None and prose.faithfulness("x") is None
-    assert all(not w.prelude and w.prelude_ids(None) is None for w in (code, ext, prose))
+    assert all(not w.prelude and w.prelude_ids(None) is None for w in (code, rewrite, ext, prose))
     follow = ws["follow-up"]
     # the second request asks for the prelude's answer again, with one more method
     assert follow.prelude and follow.prelude_request != follow.request
@@ -163,7 +176,7 @@ def test_shipped_workloads():
 def test_workload_texts_have_a_notice():
     notice = resources.files("specdec").joinpath("data", "bench", "NOTICE.md").read_text()
     assert "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in notice
-    for name in ("code-edit-source.txt", "extraction-source.txt"):
+    for name in ("code-edit-source.txt", "code-rewrite-source.txt", "extraction-source.txt"):
         assert name in notice
 
 
@@ -172,8 +185,8 @@ def test_get_workloads_selection_and_unknown():
         "prose",
         "code-edit",
     ]
-    assert len(get_workloads(None)) == 4
-    with pytest.raises(specdec.RequestError, match="code-edit, extraction, prose"):
+    assert len(get_workloads(None)) == 5
+    with pytest.raises(specdec.RequestError, match="code-edit, code-rewrite, extraction, prose"):
         get_workloads(["nope"])
 
 
@@ -203,6 +216,9 @@ def test_faithfulness(output, complete, value):
 def test_workload_faithfulness_counts_the_answer_prefix():
     w = load_workloads()["code-edit"]
     assert w.faithfulness(w.expected[len(w.answer_prefix) - len("```python\n") :]) == 1.0
+    w = load_workloads()["code-rewrite"]  # no fence: the prefix is the answer's opening
+    assert w.faithfulness(w.expected[len(w.answer_prefix) :]) == 1.0
+    assert w.faithfulness(w.expected[len(w.answer_prefix) :], complete=True) == 1.0
 
 
 # -- the runner ------------------------------------------------------------------
@@ -553,7 +569,13 @@ def test_cli_json_records_have_exactly_the_fields(capsys, byte_model):
     rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), *FAST, "--json")
     assert rc == 0, err
     records = json.loads(out)  # stdout is only the JSON list
-    assert [r["workload"] for r in records] == ["code-edit", "extraction", "prose", "follow-up"]
+    assert [r["workload"] for r in records] == [
+        "code-edit",
+        "code-rewrite",
+        "extraction",
+        "prose",
+        "follow-up",
+    ]
     for r in records:
         assert list(r) == list(RECORD_FIELDS)
         assert r["identical"] is True
@@ -757,7 +779,13 @@ def test_cli_random_weights_from_a_config(capsys, tmp_path):
     assert rc == 0, err
     assert "(random weights, seed 0)" in err
     records = json.loads(out)
-    assert [r["workload"] for r in records] == ["code-edit", "extraction", "prose", "follow-up"]
+    assert [r["workload"] for r in records] == [
+        "code-edit",
+        "code-rewrite",
+        "extraction",
+        "prose",
+        "follow-up",
+    ]
     assert all(r["identical"] for r in records)
     assert "| n/a |" in err  # no faithfulness for a model with random weights
 
