@@ -494,6 +494,12 @@ class Pipeline:
             detok = _NaiveDetokenizer(self.tokenizer)
         detok.reset()
 
+        cost = self.cost_model if drafters else None
+        if cost is not None:
+            # Load (or profile) the curve, a longer context too when requests ran past
+            # twice the longest profiled one; before the peak memory is reset, so that
+            # profiling is not counted as this request's memory.
+            cost.refresh()
         mx.reset_peak_memory()
         ctx_common = dict(
             model=self.model,
@@ -506,11 +512,9 @@ class Pipeline:
             verifier=self.verifier,
             plan=plan,
         )
-        cost = self.cost_model
+        if cost is not None:
+            ctx_common["cost"] = cost
         try:
-            if cost is not None and drafters:
-                cost.refresh()  # loads (or profiles) the curve; a longer context if needed
-                ctx_common["cost"] = cost
             for d in drafters:
                 ctx = RequestContext(
                     **ctx_common, options=policy.options_for(d.name), head=self.heads.get(d.name)
