@@ -283,3 +283,29 @@ def test_no_cost_model_without_a_drafter_that_reads_it():
         assert pipe.cost_model is None
         out = pipe.generate([1, 2, 3], max_tokens=4)
     assert out.stats.verify_cost == {} and out.stats.shadow_proposals == 0
+
+
+def test_a_curve_that_cannot_be_profiled_does_not_fail_the_request(monkeypatch):
+    model = make_tiny_model("llama", vocab_size=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = prompt + specdec.assemble(model, policy="none").generate(prompt, max_tokens=12).tokens
+    drafter = _Copy(ref)
+
+    class P:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("shadowy", lambda: drafter)
+
+    def broken(*a, **k):
+        raise RuntimeError("no memory for the profile")
+
+    with plugin_host(P(), load_entry_points=False) as host:
+        pipe = specdec.assemble(model, policy={"drafters": ["shadowy"]}, host=host)
+        pipe.cost_model = CostModel(model, persist=False)
+        monkeypatch.setattr(CostModel, "_memory", {})
+        monkeypatch.setattr(specdec.costs, "profile_verify_cost", broken)
+        out = pipe.generate(prompt, max_tokens=12)
+    assert out.tokens == ref[len(prompt) :]
+    assert "no memory for the profile" in out.stats.verify_cost["failure"]
+    assert drafter.contexts[-1].cost is None  # the drafter was told there is no curve
+    assert out.stats.accepted > 0

@@ -65,7 +65,7 @@ DEFAULT_WIDTHS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
 #: Context lengths profiled by default (capped by the model's maximum positions).
 DEFAULT_CONTEXTS: tuple[int, ...] = (128, 1024)
 #: The longest context a refresh profiles.
-MAX_PROFILE_CONTEXT = 16384
+MAX_PROFILE_CONTEXT = 8192
 _FORMAT = 1
 
 
@@ -387,6 +387,8 @@ class CostModel:
         self.announce = announce
         #: read the disk cache (``False``: profile again and replace it).
         self.persist_read = True
+        #: why profiling failed (``None``: it did not); a failed refresh is not retried.
+        self.failure: str | None = None
         self._curve = curve
         self.source = "given" if curve is not None else None
         self.longest_context = 0
@@ -444,13 +446,19 @@ class CostModel:
         limit = _max_positions(self.model)
         if limit:
             want = min(want, limit - self.widths[-1] - 1)
-        if self.source == "given" or want <= 2 * longest:
+        if self.source == "given" or want <= 2 * longest or self.failure is not None:
             return False
-        self._set(curve.merged(self._profile((want,))), "refreshed", write=True)
+        try:
+            longer = self._profile((want,))
+        except Exception as exc:  # keep the curve we have; do not try again
+            self.failure = f"profiling context {want}: {type(exc).__name__}: {exc}"
+            return False
+        self._set(curve.merged(longer), "refreshed", write=True)
         return True
 
     def stats(self) -> dict:
-        """Where the curve came from, its contexts, widths, profiling time and cache path."""
+        """Where the curve came from, its contexts, widths, profiling time, cache path and
+        why profiling failed (``None``)."""
         c = self._curve
         return {
             "source": self.source,
@@ -458,7 +466,7 @@ class CostModel:
             "contexts": list(c.contexts) if c else [],
             "widths": list(c.widths) if c else list(self.widths),
             "profile_time_s": c.profile_time_s if c else 0.0,
-            "longest_context": self.longest_context,
+            "failure": self.failure,
         }
 
     # -- helpers -------------------------------------------------------------------

@@ -498,8 +498,16 @@ class Pipeline:
         if cost is not None:
             # Load (or profile) the curve, a longer context too when requests ran past
             # twice the longest profiled one; before the peak memory is reset, so that
-            # profiling is not counted as this request's memory.
-            cost.refresh()
+            # profiling is not counted as this request's memory. A curve that cannot be
+            # measured does not fail the request: drafters get no ctx.cost (ngram_copy
+            # then sizes by its ladder and says so) and stats.verify_cost has the error.
+            try:
+                cost.refresh()
+            except Exception as exc:  # noqa: BLE001 - reported in stats, never silent
+                cost.failure = f"{type(exc).__name__}: {exc}"
+            stats.verify_cost = cost.stats()
+            if not cost.loaded:
+                cost = None
         mx.reset_peak_memory()
         ctx_common = dict(
             model=self.model,
@@ -532,7 +540,6 @@ class Pipeline:
         finally:
             if cost is not None:
                 cost.note_context(len(row.history))
-                stats.verify_cost = cost.stats()
             for _, s in row.sessions:
                 try:
                     s.end()
