@@ -214,7 +214,8 @@ def model_fingerprint(model: Any, verifier: Any = None) -> str:
     except TypeError:
         cfg = {}
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    for name, p in tree_flatten(model.parameters()):
+    params = getattr(model, "parameters", None)
+    for name, p in tree_flatten(params()) if callable(params) else ():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
     h.update(type(model).__module__.encode())
     h.update(str(getattr(verifier, "name", "logits")).encode())

@@ -279,7 +279,10 @@ class Pipeline:
         #: the verify cost curve of this model on this device, when a drafter reads it.
         self.cost_model: CostModel | None = None
         if any(getattr(d, "uses_verify_cost", False) for d in self.drafters):
-            self.cost_model = CostModel(model, self.verifier, host=h)
+            # Profiled with the built-in logits verifier: the cost of the model's own
+            # forward, whatever verifier the policy names (a plugin's verifier may keep
+            # state that profiling forwards must not touch).
+            self.cost_model = CostModel(model, None, host=h)
 
     def prepare(self, progress: Callable[[int, int, str], None] | None = None) -> None:
         """Do the one-off work before the first request: load the verify cost curve, or
