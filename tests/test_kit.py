@@ -210,3 +210,30 @@ def test_require_installed_skips_locally_and_fails_under_ci(monkeypatch):
         require_command("specdec-no-such-command")
     # installed: the distribution itself, whatever CI says
     assert require_installed("specdec-core").metadata["Name"] == "specdec-core"
+
+
+def test_request_context_and_feed_round_drive_a_session_by_hand():
+    from specdec.testing import feed_round, request_context
+
+    ctx = request_context([1, 2, 3], max_tokens=9, options={"x": 1})
+    assert ctx.prompt_tokens == [1, 2, 3] and ctx.max_tokens == 9 and ctx.options == {"x": 1}
+    assert ctx.model is None and ctx.caches == []
+    seen = []
+
+    class S(specdec.BaseDrafterSession):
+        def observe(self, result):
+            seen.append(result)
+
+    history = feed_round(S(), [1, 2, 3], [7, 8], block=[7, 5], n_accepted=1, drafter="d")
+    assert history == [1, 2, 3, 7, 8]
+    (r,) = seen
+    assert (r.start_position, r.committed, r.token, r.block, r.n_accepted, r.drafter) == (
+        3,
+        (7, 8),
+        8,
+        (7, 5),
+        1,
+        "d",
+    )
+    with pytest.raises(ValueError, match="at least one token"):
+        feed_round(S(), [1], [])

@@ -35,7 +35,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +45,7 @@ import attrs
 import mlx.core as mx
 
 from .heads import model_vocab_size
+from .progress import Progress
 
 __all__ = [
     "DEFAULT_CONTEXTS",
@@ -507,25 +507,21 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _stderr_progress(path: Path | None) -> Callable[[int, int, str], None]:
-    """A progress line on stderr: redrawn on a terminal; a start and an end line otherwise."""
-    tty = sys.stderr.isatty()
+    """A :class:`~specdec.progress.Progress` bar on stderr: redrawn on a terminal; a
+    first and a last line otherwise."""
     where = f"; cached in {path}" if path is not None else ""
-    head = (
-        f"specdec: profiling the verify cost of this model on {mx.default_device()} (once{where})"
-    )
-    t0 = time.perf_counter()
+    head = f"specdec: profiling the verify cost on {mx.default_device()} (once{where})"
+    bar: list[Progress] = []
 
     def draw(done: int, total: int, label: str) -> None:
-        if tty:
-            sys.stderr.write(f"\r{head} {done}/{total} {label:<26}")
-        elif done == 1:
-            sys.stderr.write(f"{head} ...\n")
+        if not bar:
+            bar.append(Progress(total, prefix=head, pipe="ends"))
+            bar[0].start(label)
+        p = bar[0]
+        p.done, p.label = done, label
+        p.advance(0)
         if done >= total:
-            sys.stderr.write(
-                ("\n" if tty else "") + f"specdec: verify cost profiled in "
-                f"{time.perf_counter() - t0:.1f} s\n"
-            )
-        sys.stderr.flush()
+            p.close()
 
     return draw
 

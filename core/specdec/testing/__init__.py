@@ -41,6 +41,7 @@ from .models import (
     tiny_model_args,
 )
 from .oracle import CORRUPTIONS, OracleDrafter, oracle_plugin
+from .sessions import feed_round, request_context
 from .toy_tokenizer import ToyTokenizer
 
 __all__ = [
@@ -58,11 +59,13 @@ __all__ = [
     "check_sampled_identity",
     "chi_square_p_value",
     "copy_heavy_prompt",
+    "feed_round",
     "in_ci",
     "make_tiny_model",
     "oracle_plugin",
     "plain_greedy",
     "plugin_host",
+    "request_context",
     "require_command",
     "require_installed",
     "skip_unless_ci",

@@ -4,40 +4,14 @@ from __future__ import annotations
 
 import pytest
 import specdec
-from specdec import Draft, RequestContext, RoundResult
+from specdec import Draft, RoundResult
+from specdec.testing import feed_round, request_context
 from specdec_ngram import DEFAULTS, create_ngram_copy
-
-
-def ctx(prompt, max_tokens=64):
-    return RequestContext(
-        model=None,
-        tokenizer=None,
-        prompt_tokens=list(prompt),
-        max_tokens=max_tokens,
-        sampler=None,
-        caches=[],
-    )
-
-
-def commit(drafter, history, tokens, *, block=(), n_accepted=0, drafter_name=None):
-    """Tell the drafter a round committed ``tokens`` after ``history``; returns the new history."""
-    tokens = tuple(tokens)
-    drafter.observe(
-        RoundResult(
-            drafter=drafter_name,
-            block=tuple(block),
-            n_accepted=n_accepted,
-            token=tokens[-1],
-            committed=tokens,
-            start_position=len(history),
-        )
-    )
-    return list(history) + list(tokens)
 
 
 def started(prompt, **options):
     """A session of a drafter built with ``options``, for a request with ``prompt``."""
-    return create_ngram_copy(**options).session(ctx(prompt))
+    return create_ngram_copy(**options).session(request_context(prompt))
 
 
 # -- options -------------------------------------------------------------------------
@@ -178,8 +152,8 @@ def test_prefers_longest_then_most_recent():
 def test_observe_indexes_committed_tokens():
     prompt = [1, 2, 3]
     d = started(prompt)
-    h = commit(d, prompt, [70, 71, 72])
-    h = commit(d, h, [5, 70, 71])
+    h = feed_round(d, prompt, [70, 71, 72])
+    h = feed_round(d, h, [5, 70, 71])
     assert d.stats()["indexed_tokens"] == len(h)
     assert d.propose(h, 4).tokens[:2] == (72, 5)
     assert d.stats()["resyncs"] == 0
@@ -188,9 +162,9 @@ def test_observe_indexes_committed_tokens():
 def test_source_prompt_ignores_output():
     prompt = [1, 2, 3]
     d = started(prompt, source="prompt")
-    h = commit(d, prompt, [70, 71, 72, 5, 70, 71])
+    h = feed_round(d, prompt, [70, 71, 72, 5, 70, 71])
     assert d.propose(h, 4) is None
-    h = commit(d, h, [9, 1, 2])
+    h = feed_round(d, h, [9, 1, 2])
     assert d.propose(h, 4).tokens == (3,)  # copies stop at the prompt's end
     assert create_ngram_copy(source="all").source == "all"
 
@@ -202,9 +176,9 @@ def test_propose_catches_up_from_history_without_observe():
     assert d.propose(h, 3).tokens == (3, 4, 5)
     assert d.stats()["resyncs"] == 0
     # observing them afterwards (with positions) does not index them twice
-    h2 = commit(d, prompt, [1, 2])
+    h2 = feed_round(d, prompt, [1, 2])
     assert h2 == h and d.stats()["indexed_tokens"] == len(h)
-    h = commit(d, h, [3])
+    h = feed_round(d, h, [3])
     assert d.propose(h, 2).tokens == (4, 5)
     assert d.stats()["resyncs"] == 0
 
@@ -212,7 +186,7 @@ def test_propose_catches_up_from_history_without_observe():
 def test_inconsistent_history_resyncs():
     prompt = [1, 2, 3, 4, 5, 6]
     d = started(prompt)
-    commit(d, prompt, [7, 8])
+    feed_round(d, prompt, [7, 8])
     h = [*prompt, 7, 9, 4, 5]  # disagrees with what was indexed at the boundary
     assert d.propose(h, 1).tokens == (6,)
     assert d.stats()["resyncs"] == 1
@@ -222,7 +196,7 @@ def test_inconsistent_history_resyncs():
 def test_conflicting_observe_resyncs_at_next_propose():
     prompt = [1, 2, 3, 4]
     d = started(prompt)
-    commit(d, prompt, [5, 6])
+    feed_round(d, prompt, [5, 6])
     # a round that claims to start inside what was indexed, with other tokens
     d.observe(RoundResult(None, (), 0, 9, (8, 9), start_position=len(prompt)))
     assert d.propose([*prompt, 8, 9, 1, 2], 2).tokens == (3, 4)
@@ -234,7 +208,7 @@ def test_stats_count_acceptances():
     d = started(prompt)
     draft = d.propose(prompt, 4)
     assert draft.tokens == (3, 4, 5, 6)
-    commit(d, prompt, [3, 4, 9], block=draft.tokens, n_accepted=2, drafter_name="ngram_copy")
+    feed_round(d, prompt, [3, 4, 9], block=draft.tokens, n_accepted=2, drafter="ngram_copy")
     s = d.stats()
     assert s["lookups"] == 1 and s["hits"] == 1
     assert s["proposed_tokens"] == 4 and s["accepted_tokens"] == 2
@@ -244,9 +218,9 @@ def test_stats_count_acceptances():
 
 def test_each_session_starts_fresh_and_end_drops_state():
     drafter = create_ngram_copy()
-    d = drafter.session(ctx([1, 2, 3, 1, 2]))
+    d = drafter.session(request_context([1, 2, 3, 1, 2]))
     assert d.propose([1, 2, 3, 1, 2], 4) is not None
-    other = drafter.session(ctx([4, 5, 6]))  # a second request on the same drafter
+    other = drafter.session(request_context([4, 5, 6]))  # a second request on the same drafter
     assert other.stats()["lookups"] == 0
     assert other.propose([4, 5, 6], 4) is None
     assert d.stats()["lookups"] == 1 and d.stats()["indexed_tokens"] == 5  # untouched
@@ -258,7 +232,7 @@ def test_index_cost_is_per_token():
     prompt = list(range(1000))
     d = started(prompt, min_n=2, max_n=4)
     entries = d.stats()["index_entries"]
-    h = commit(d, prompt, [1, 2, 3])
+    h = feed_round(d, prompt, [1, 2, 3])
     assert d.stats()["index_entries"] - entries == 3 * 3
     d.propose(h, 4)
     assert d.stats()["index_entries"] - entries == 3 * 3
@@ -269,8 +243,8 @@ def test_rename_is_copied_through():
     # continues from the aligned position.
     source = list(range(10, 30)) + [90] + list(range(30, 50))
     d = started(source)
-    h = commit(d, source, [10, 11, 12, 13, 14])
-    h = commit(d, h, list(range(15, 30)) + [91])
+    h = feed_round(d, source, [10, 11, 12, 13, 14])
+    h = feed_round(d, h, list(range(15, 30)) + [91])
     draft = d.propose(h, 8)
     assert draft.tokens == tuple(range(30, 38))
     assert d.stats()["realigned"] == 1
@@ -282,7 +256,7 @@ def test_rename_is_copied_through():
 
 
 def cost_ctx(prompt, cost):
-    c = ctx(prompt)
+    c = request_context(prompt)
     c.cost = specdec.CostModel(None, curve=cost) if cost is not None else None
     return c
 
@@ -297,7 +271,7 @@ PERIOD = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
 def test_without_a_cost_model_the_session_sizes_by_the_ladder_and_says_so():
-    s = create_ngram_copy().session(ctx(PERIOD * 3))
+    s = create_ngram_copy().session(request_context(PERIOD * 3))
     assert s.sizing == "ladder" and s.stats()["sizing_used"] == "ladder"
 
 
@@ -317,7 +291,7 @@ def test_dear_verify_declines_and_shadow_outcomes_make_it_draft_again():
     proposed = None
     for i in range(40):  # plain steps that follow the copy: the shadow outcomes match
         tok = PERIOD[i % len(PERIOD)]
-        history = commit(s, history, [tok])
+        history = feed_round(s, history, [tok])
         proposed = s.propose(history, 16)
         if proposed is not None:
             break
@@ -336,10 +310,10 @@ def test_verified_outcomes_shape_the_estimates():
         d = s.propose(history, 16)
         if d is None:
             sizes.append(0)
-            history = commit(s, history, [tok])
+            history = feed_round(s, history, [tok])
             continue
         sizes.append(len(d.tokens))
-        history = commit(s, history, [tok], block=d.tokens, n_accepted=0, drafter_name=s.name)
+        history = feed_round(s, history, [tok], block=d.tokens, n_accepted=0, drafter=s.name)
     # Blocks shrink, then stop paying (the shadow outcomes, which match here since the
     # committed tokens continue the copy, soon make it try again).
     assert sizes[0] > 1 and sizes[1] < sizes[0] and 0 in sizes, sizes

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import specdec
-from specdec import RequestContext, RoundResult
-from specdec.testing import check_greedy_identity, make_tiny_model
+from specdec.testing import check_greedy_identity, feed_round, make_tiny_model, request_context
 from specdec_ngram import DEFAULTS, CopyStore, CopyStoreError, create_ngram_copy
 from specdec_ngram import store as store_module
 
@@ -271,53 +270,27 @@ def test_bad_store_options(options, fragment):
 # -- sessions (no model) --------------------------------------------------------------------
 
 
-def ctx(prompt):
-    return RequestContext(
-        model=None,
-        tokenizer=None,
-        prompt_tokens=list(prompt),
-        max_tokens=64,
-        sampler=None,
-        caches=[],
-    )
-
-
-def commit(session, history, tokens, *, block=(), n_accepted=0, drafter_name=None):
-    tokens = tuple(tokens)
-    session.observe(
-        RoundResult(
-            drafter=drafter_name,
-            block=tuple(block),
-            n_accepted=n_accepted,
-            token=tokens[-1],
-            committed=tokens,
-            start_position=len(history),
-        )
-    )
-    return list(history) + list(tokens)
-
-
 ANSWER = list(range(100, 140))
 
 
 def test_a_session_copies_an_earlier_requests_output():
     drafter = create_ngram_copy(store=True, sizing="ladder")
-    first = drafter.session(ctx([1, 2, 3]))
-    commit(first, [1, 2, 3], ANSWER)
+    first = drafter.session(request_context([1, 2, 3]))
+    feed_round(first, [1, 2, 3], ANSWER)
     first.end()
     assert drafter.store.documents() == [ANSWER]  # the output, not the prompt
-    second = drafter.session(ctx([4, 5, 6]))  # the answer is not in this context
-    h = commit(second, [4, 5, 6], ANSWER[:4])
+    second = drafter.session(request_context([4, 5, 6]))  # the answer is not in this context
+    h = feed_round(second, [4, 5, 6], ANSWER[:4])
     draft = second.propose(h, 16)
     assert draft is not None and draft.tokens == tuple(ANSWER[4:12])  # ladder: 4 -> 8
-    h = commit(second, h, ANSWER[4:12], block=draft.tokens, n_accepted=8, drafter_name="ngram_copy")
+    h = feed_round(second, h, ANSWER[4:12], block=draft.tokens, n_accepted=8, drafter="ngram_copy")
     st = second.stats()
     assert (st["store_hits"], st["store_proposed_tokens"], st["store_accepted_tokens"]) == (1, 8, 8)
     assert st["hits"] == 1 and st["store"] is True
     assert (st["store_tokens"], st["store_documents"]) == (len(ANSWER), 1)
     assert st["estimates"]["store"]["outcomes"] > 0
     # a match in the context comes first
-    h = commit(second, h, [4, 5])
+    h = feed_round(second, h, [4, 5])
     assert second.propose(h, 16).tokens[:1] == (6,)
     assert second.stats()["store_hits"] == 1
     second.end()
@@ -328,11 +301,11 @@ def test_a_session_copies_an_earlier_requests_output():
 
 def test_without_a_store_nothing_is_kept():
     drafter = create_ngram_copy()
-    s = drafter.session(ctx([1, 2, 3]))
-    commit(s, [1, 2, 3], ANSWER)
+    s = drafter.session(request_context([1, 2, 3]))
+    feed_round(s, [1, 2, 3], ANSWER)
     s.end()
-    other = drafter.session(ctx([4, 5, 6]))
-    h = commit(other, [4, 5, 6], ANSWER[:4])
+    other = drafter.session(request_context([4, 5, 6]))
+    h = feed_round(other, [4, 5, 6], ANSWER[:4])
     assert other.propose(h, 16) is None
     st = other.stats()
     assert st["store"] is False and st["store_hits"] == 0 and st["store_tokens"] == 0
@@ -343,15 +316,15 @@ def test_store_hits_are_sized_by_the_cost(tmp_path):
         widths=(1, 2, 4, 8, 17), contexts=(1,), seconds=((1.0, 1.0, 1.0, 1.0, 1.0),)
     )
     drafter = create_ngram_copy(store=str(tmp_path / "s.bin"))
-    first = drafter.session(ctx([1, 2, 3]))
-    commit(first, [1, 2, 3], ANSWER)
+    first = drafter.session(request_context([1, 2, 3]))
+    feed_round(first, [1, 2, 3], ANSWER)
     first.end()
     # another pipeline (or process) naming the same file sees it
     other = create_ngram_copy(store=str(tmp_path / "s.bin"))
-    c = ctx([4, 5, 6])
+    c = request_context([4, 5, 6])
     c.cost = specdec.CostModel(None, curve=curve)
     s = other.session(c)
-    h = commit(s, [4, 5, 6], ANSWER[:3])
+    h = feed_round(s, [4, 5, 6], ANSWER[:3])
     draft = s.propose(h, 16)
     assert draft is not None and draft.tokens == tuple(ANSWER[3:19])  # a free verify: all 16
     assert s.stats()["sizing_used"] == "cost" and s.stats()["store_hits"] == 1
@@ -360,8 +333,8 @@ def test_store_hits_are_sized_by_the_cost(tmp_path):
 def test_a_store_that_cannot_be_written_warns(tmp_path):
     path = tmp_path / "s.bin"
     drafter = create_ngram_copy(store=str(path))
-    s = drafter.session(ctx([1, 2, 3]))
-    commit(s, [1, 2, 3], ANSWER)
+    s = drafter.session(request_context([1, 2, 3]))
+    feed_round(s, [1, 2, 3], ANSWER)
     path.write_bytes(b"not a store")
     with pytest.warns(RuntimeWarning, match="not stored"):
         s.end()
