@@ -309,3 +309,39 @@ def test_a_curve_that_cannot_be_profiled_does_not_fail_the_request(monkeypatch):
     assert "no memory for the profile" in out.stats.verify_cost["failure"]
     assert drafter.contexts[-1].cost is None  # the drafter was told there is no curve
     assert out.stats.accepted > 0
+
+
+def test_no_shadow_proposals_for_a_governor_that_reads_none():
+    model = make_tiny_model("llama", vocab_size=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = prompt + specdec.assemble(model, policy="none").generate(prompt, max_tokens=16).tokens
+    drafter, governor = _Copy(ref), _Refuser()
+
+    class Blind(_Refuser):
+        def session(self, ctx):
+            s = super().session(ctx)
+            s.wants_shadows = False
+            return s
+
+    governor = Blind()
+
+    class P:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("shadowy", lambda: drafter)
+
+        @specdec.hookimpl
+        def specdec_register_governors(self, register):
+            register("blind", lambda: governor)
+
+    with plugin_host(P(), load_entry_points=False) as host:
+        pipe = specdec.assemble(
+            model, policy={"drafters": ["shadowy"], "governor": "blind"}, host=host
+        )
+        pipe.cost_model = CostModel(
+            model, curve=curve([(1.0, 1.1, 1.2, 1.3), (1.0, 1.1, 1.2, 1.3)])
+        )
+        out = pipe.generate(prompt, max_tokens=16)
+    assert out.tokens == ref[len(prompt) :]
+    assert out.stats.rounds_without_draft > 0  # the governor did refuse rounds
+    assert out.stats.shadow_proposals == 0 and not any(sh for _, sh, _ in governor.seen)

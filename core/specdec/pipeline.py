@@ -641,10 +641,11 @@ class Pipeline:
         limit = min(policy.max_block, remaining - 1)
         if limit >= policy.min_block:
             gov = row.governor
+            shadows = gov is not None and getattr(gov, "wants_shadows", True)
             for name, s in row.sessions:
                 budget = min(gov.budget(name, limit), limit) if gov is not None else limit
                 if budget < policy.min_block:
-                    shadow = getattr(s, "shadow", None)
+                    shadow = getattr(s, "shadow", None) if shadows else None
                     if shadow is not None:
                         self._shadow(row, rnd, name, shadow, limit)
                     continue

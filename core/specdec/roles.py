@@ -320,6 +320,10 @@ class GovernorSession(Protocol):
     def end(self) -> None:
         """Finish the request."""
 
+    # Optional attribute ``wants_shadows: bool`` (absent: True): whether the pipeline
+    # asks the sessions this governor refused for shadow proposals
+    # (``RoundResult.shadows``). A governor that does not score them sets it False.
+
 
 @runtime_checkable
 class Governor(Protocol):
@@ -404,6 +408,10 @@ class BaseDrafter:
 
 class BaseGovernorSession:
     """A governor session that never limits anything."""
+
+    #: Whether the pipeline asks the drafters this session refuses for shadow
+    #: proposals (a subclass that does not score ``RoundResult.shadows`` may set False).
+    wants_shadows: bool = True
 
     def budget(self, drafter: str, max_len: int) -> int:
         """Allow the full ``max_len``."""

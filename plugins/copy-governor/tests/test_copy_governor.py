@@ -375,6 +375,29 @@ def test_shadows_are_ignored_when_off_and_dropped_once_drafting_resumes():
     assert g2.state(D).pending is None and g2.stats()["shadow_rounds"] == 0
 
 
+def test_a_shadow_is_scored_at_the_probation_cap_it_would_resume_with():
+    g = gov(probation_cap=3, resume_matches=8)
+    suspend(g)
+    g.budget(D, 16)
+    # 3 of 8 would match: a poor 3/8 at full length, but the block after the
+    # suspension is capped at 3, and those 3 all match.
+    g.observe_round(rr(0, [1, 2, 3, 9], {D: (1, 2, 3, 4, 5, 6, 7, 8)}))
+    s = g.state(D)
+    assert s.shadow_rounds == 1 and s.shadow_proposed == 3 and s.shadow_accepted == 3
+    assert not g.suspended(D) and s.shadow_resumes == 1
+    g2 = gov(probation_rounds=0, resume_matches=8)
+    suspend(g2)
+    g2.budget(D, 16)
+    g2.observe_round(rr(0, [1, 2, 3, 9], {D: (1, 2, 3, 4, 5, 6, 7, 8)}))
+    assert g2.state(D).shadow_proposed == 8  # no probation: scored at full length
+
+
+def test_the_session_says_whether_it_reads_shadows():
+    assert gov().wants_shadows is True
+    assert gov(shadow=False).wants_shadows is False
+    assert specdec.BaseGovernorSession().wants_shadows is True  # absent means True too
+
+
 def test_shadow_across_a_gap_is_dropped_unscored():
     g = gov()
     suspend(g)

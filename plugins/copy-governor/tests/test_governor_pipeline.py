@@ -217,7 +217,8 @@ def test_shadow_scoring_ends_a_suspension_once_the_drafter_is_right(model, refer
         assert resumed <= switch + 2  # two matched shadow tokens, then drafting again
         assert out.stats.shadow_fraction < 0.02
     else:
-        assert g["shadow_resumes"] == 0 and out.stats.shadow_proposals > 0
+        # The session says it reads no shadows: the core does not ask for them.
+        assert g["shadow_resumes"] == 0 and out.stats.shadow_proposals == 0
         assert resumed > switch + 8  # the 32-round suspension runs out first
     assert out.stats.accepted > 0
 

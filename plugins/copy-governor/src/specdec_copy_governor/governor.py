@@ -208,6 +208,8 @@ class CopyGovernorSession(BaseGovernorSession):
     def __init__(self, config: CopyGovernor) -> None:
         self.config = config
         self._states: dict[str, DrafterState] = {}
+        #: Shadow proposals are asked for only when ``shadow`` is on.
+        self.wants_shadows = config.shadow
 
     def budget(self, drafter: str, max_len: int) -> int:
         """How many tokens ``drafter`` may propose this round (0 while it is suspended)."""
@@ -263,6 +265,10 @@ class CopyGovernorSession(BaseGovernorSession):
         for name, tokens in result.shadows.items():
             s = self.state(name)
             if s.pending is None and tokens:
+                # Scored at the length the drafter would get back: a suspension ends
+                # on probation, where blocks are capped at probation_cap.
+                if self.config.probation_rounds > 0:
+                    tokens = tokens[: self.config.probation_cap]
                 s.pending = ShadowScore(result.start_position, tokens)
         for name, s in self._states.items():
             if s.pending is None:
