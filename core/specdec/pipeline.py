@@ -29,7 +29,13 @@ from .rollback import RollbackPlan, build_plan
 from .sampling import Sampler, validate_request
 from .stats import Stats
 
-__all__ = ["GenerationResult", "Pipeline", "StreamResponse", "assemble", "validate_request"]
+__all__ = [
+    "GenerationResult",
+    "Pipeline",
+    "StreamResponse",
+    "assemble",
+    "validate_request",
+]
 
 
 @attrs.frozen
@@ -119,6 +125,15 @@ class _Row:
     hist_arr: Any = None
 
 
+#: Rounds in a row without a draft after which the next round is queued ahead, as a
+#: plain step (see :meth:`Pipeline._start_lookahead`).
+_IDLE_LOOKAHEAD = 2
+
+#: Built-in acceptors that, for an empty block, emit the plain sample of the position
+#: (``Sampler.sample`` with the position's key): the lazy sample a lookahead was fed.
+_PLAIN_WHEN_EMPTY = frozenset({"greedy", "point_mass", "rejection"})
+
+
 @attrs.define
 class _Round:
     """One round in flight: what was fed, the lazy verify result, the open transaction."""
@@ -136,6 +151,12 @@ class _Round:
     lazy_token: Any = None
     n_fed: int = 1
     t_launch: float = 0.0
+    #: a lookahead round: the lazily sampled token of the round before, which it was fed.
+    fed_token: Any = None
+    #: the transaction was committed when the lookahead after it was queued.
+    committed: bool = False
+    #: the lazily sampled token of a round that drafted nothing (a lookahead was fed it).
+    lazy_sample: Any = None
 
 
 def _provides(host: PluginHost, name: str, options: dict) -> frozenset:
@@ -256,6 +277,9 @@ class Pipeline:
                 f"drafters ask for decoder layers {layers} but verifier {policy.verifier!r} "
                 "cannot be told which layers to capture (it has no bind(model, layers=...))"
             )
+        #: Whether idle rounds may be queued ahead (no drafter reads the caches in
+        #: propose; see :meth:`_start_lookahead`).
+        self._lookahead = not any("kv" in getattr(d, "needs", ()) for d in self.drafters)
         #: draft heads by drafter name (shared: built once per (model, head, options)).
         self.heads: dict[str, Any] = {}
         for d in self.drafters:
@@ -585,13 +609,42 @@ class Pipeline:
         plain = not row.sessions
         t_start = time.perf_counter()
         queued: _Round | None = None
+        idle = 0  # rounds in a row that drafted nothing
         while True:
-            rnd = queued if queued is not None else self._start_round(row, plan, None)
+            if queued is None:
+                rnd = self._start_round(row, plan, None)
+            elif plain:
+                rnd = queued
+            else:
+                rnd = self._adopt(row, plan, queued)
             queued = None
-            lookahead = plain and on_round is None and row.n_out + 1 < row.max_tokens
-            if lookahead:
+            more = on_round is None and row.n_out + 1 < row.max_tokens
+            if plain and more:
                 queued = self._start_round(row, plan, rnd)
-            result = self._finish_round(row, rnd)
+            elif (
+                more
+                and self._lookahead
+                and rnd.chosen is None
+                and idle >= _IDLE_LOOKAHEAD
+                and not row.processors
+                and row.n_out + 2 < row.max_tokens
+            ):
+                # Drafting has paused: queue the next round as a plain step now, as
+                # plain decoding does, so the host's work overlaps the forward.
+                queued = self._start_lookahead(row, plan, rnd)
+            try:
+                result = self._finish_round(row, rnd)
+            except BaseException:
+                if queued is not None:
+                    queued.txn.abort()
+                raise
+            if queued is not None and queued.fed_token is not None:
+                if int(queued.fed_token.item()) != result.token:
+                    # The acceptor drew another token than the lazy sample: undo it.
+                    queued.txn.abort()
+                    stats.lookahead_aborts += 1
+                    queued = None
+            idle = idle + 1 if result.drafter is None else 0
             stats.target_forwards += 1
             pos = result.start_position
             row.history.extend(result.committed)
@@ -608,11 +661,15 @@ class Pipeline:
                     row.governor.observe_round(result)
             if on_round is not None:
                 on_round(result, row.caches)
-            if (
-                yield from self._emit(
+            ended = True
+            try:
+                ended = yield from self._emit(
                     row, list(result.committed), result.n_accepted, pos, detok, t_start
                 )
-            ):
+            finally:
+                if ended and queued is not None and queued.fed_token is not None:
+                    queued.txn.abort()  # the stream ended (or was closed): undo the lookahead
+            if ended:
                 return
 
     def _start_round(self, row: _Row, plan: RollbackPlan, after: _Round | None) -> _Round:
@@ -621,7 +678,7 @@ class Pipeline:
         ``after``: a plain round whose token is not read back yet; this round follows it
         (fed its lazy token).
         """
-        policy, sampler = self.policy, row.sampler
+        sampler = row.sampler
         if not row.sessions:  # a plain step, sampled lazily
             position = len(row.history) + (1 if after is not None else 0)
             tok = after.lazy_token if after is not None else mx.array(row.history[-1:])
@@ -637,6 +694,13 @@ class Pipeline:
             self._launch(row, y)
             return _Round(position=position, lazy_token=y, t_launch=time.perf_counter())
         rnd = _Round(position=len(row.history))
+        self._plan(row, rnd)
+        self._launch_round(row, plan, rnd)
+        return rnd
+
+    def _plan(self, row: _Row, rnd: _Round) -> None:
+        """Ask the governor and the drafters, in policy order, for this round's block."""
+        policy = self.policy
         remaining = row.max_tokens - row.n_out
         limit = min(policy.max_block, remaining - 1)
         if limit >= policy.min_block:
@@ -659,6 +723,10 @@ class Pipeline:
                 break
         k = 0 if rnd.chosen is None else (rnd.block.size if _is_lazy(rnd.block) else len(rnd.block))
         row.stats.block_sizes[k] = row.stats.block_sizes.get(k, 0) + 1
+
+    def _launch_round(self, row: _Row, plan: RollbackPlan, rnd: _Round) -> None:
+        """Open the transaction and queue the verify forward of ``[last, *block]``."""
+        policy, sampler = self.policy, row.sampler
         if row.processors and _is_lazy(rnd.block):
             rnd.block = tuple(rnd.block.tolist())  # processors read the block's history
         if rnd.chosen is None:
@@ -681,6 +749,44 @@ class Pipeline:
         except BaseException:
             rnd.txn.abort()
             raise
+
+    def _start_lookahead(self, row: _Row, plan: RollbackPlan, rnd: _Round) -> _Round:
+        """Queue the next round as a plain step on ``rnd``'s lazily sampled token, before
+        that token is read back (``rnd`` drafted nothing: its transaction keeps all).
+
+        The next round adopts it when no drafter proposes for it after all and the token
+        it was fed is the one ``rnd`` commits; otherwise it is aborted (its cache writes
+        undone) and a normal round runs: the output never depends on it.
+        """
+        rnd.txn.commit(rnd.n_fed, rnd.n_fed)  # nothing drafted: keep the fed token
+        rnd.committed = True
+        y = row.sampler.sample_lazy(rnd.logits[-1:], rnd.position)
+        rnd.lazy_sample = y
+        la = _Round(position=rnd.position + 1, fed_token=y)
+        la.acceptor = rnd.acceptor
+        la.t_launch = time.perf_counter()
+        la.txn = plan.begin()
+        try:
+            la.vr = self.verifier.verify(self.model, y.astype(mx.int32), row.caches)
+            la.logits = la.vr.logits
+            self._launch(row, la.logits)
+        except BaseException:
+            la.txn.abort()
+            raise
+        return la
+
+    def _adopt(self, row: _Row, plan: RollbackPlan, la: _Round) -> _Round:
+        """The round after a lookahead: the lookahead itself when nobody drafts, else a
+        normal round with the drafted block (the lookahead aborted)."""
+        rnd = _Round(position=len(row.history))
+        self._plan(row, rnd)
+        if rnd.chosen is None and la.position == rnd.position:
+            la.shadows = rnd.shadows
+            row.stats.lookahead_rounds += 1
+            return la
+        la.txn.abort()
+        row.stats.lookahead_aborts += 1
+        self._launch_round(row, plan, rnd)
         return rnd
 
     @staticmethod
@@ -719,6 +825,23 @@ class Pipeline:
                 verify=None,
                 start_position=rnd.position,
             )
+        if rnd.lazy_sample is not None and not rnd.block and rnd.acceptor in _PLAIN_WHEN_EMPTY:
+            # Nothing drafted: these acceptors draw the plain sample of the position, which
+            # the lookahead already drew (lazily, with the same key): read it back.
+            t0 = time.perf_counter()
+            tok = int(rnd.lazy_sample.item())
+            stats.wait_time_s += time.perf_counter() - t0
+            stats.acceptors[rnd.acceptor] = stats.acceptors.get(rnd.acceptor, 0) + 1
+            return RoundResult(
+                drafter=None,
+                block=(),
+                n_accepted=0,
+                token=tok,
+                committed=(tok,),
+                verify=rnd.vr,
+                start_position=rnd.position,
+                shadows=rnd.shadows,
+            )
         acceptor = self._acceptors[rnd.acceptor]
         try:
             t0 = time.perf_counter()
@@ -736,9 +859,11 @@ class Pipeline:
                     f"acceptor {rnd.acceptor!r} accepted {n_acc} of a {len(rnd.block)}-token block"
                 )
             # Lazy: the next forward evaluates what the rollback built (no second sync).
-            rnd.txn.commit(rnd.n_fed, n_acc + 1)
+            if not rnd.committed:
+                rnd.txn.commit(rnd.n_fed, n_acc + 1)
         except BaseException:
-            rnd.txn.abort()
+            if not rnd.committed:
+                rnd.txn.abort()
             raise
         t_done = time.perf_counter()
         block = rnd.block

@@ -40,6 +40,11 @@ class Stats:
             it would have proposed (shadow scoring).
         shadow_time_s: time spent asking for those proposals and scoring them (the
             governor's ``observe_round`` on rounds with shadows).
+        lookahead_rounds: rounds that drafted nothing and had been queued ahead, as a
+            plain step on the previous round's lazily sampled token (after two rounds in
+            a row without a draft), so the host's work overlapped the forward.
+        lookahead_aborts: rounds queued ahead that were undone because a drafter did
+            propose after all (or the committed token was another).
         verify_cost: the pipeline's cost model's ``stats()`` (empty without one).
         finish_reason: ``"stop"`` or ``"length"``.
     """
@@ -67,6 +72,8 @@ class Stats:
     block_sizes: dict = attrs.field(factory=dict)
     shadow_proposals: int = 0
     shadow_time_s: float = 0.0
+    lookahead_rounds: int = 0
+    lookahead_aborts: int = 0
     verify_cost: dict = attrs.field(factory=dict)
     finish_reason: str | None = None
 

@@ -1,0 +1,125 @@
+"""Rounds queued ahead while drafting pauses: plain steps pipelined as in plain decoding,
+undone when a drafter proposes after all; the output never changes."""
+
+from __future__ import annotations
+
+import pytest
+import specdec
+from specdec.testing import make_tiny_model, plugin_host
+from specdec.testing.models import ARCHITECTURES
+
+
+class _Sometimes(specdec.BaseDrafter):
+    """Proposes the reference continuation only at positions in ``at`` (else nothing)."""
+
+    name = "sometimes"
+
+    def __init__(self, reference=(), at=()):
+        self.reference, self.at = list(reference), set(at)
+
+    def session(self, ctx):
+        d = self
+
+        class S(specdec.BaseDrafterSession):
+            def propose(self, history, max_len):
+                n = len(history)
+                if n not in d.at:
+                    return None
+                toks = d.reference[n : n + min(4, max_len)]
+                return specdec.Draft(tokens=toks) if toks else None
+
+        return S()
+
+
+def _run(model, prompt, at, reference, **kw):
+    drafter = _Sometimes(reference, at)
+
+    class P:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("sometimes", lambda **o: drafter)
+
+    with plugin_host(P(), load_entry_points=False) as host:
+        pipe = specdec.assemble(model, policy={"drafters": ["sometimes"]}, host=host)
+        return pipe.generate(prompt, **kw)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_paused_drafting_is_pipelined_and_exact(arch):
+    model = make_tiny_model(arch, vocab_size=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = specdec.assemble(model, policy="none").generate(prompt, max_tokens=40)
+    ref = prompt + plain.tokens
+    n = len(prompt)
+    # Drafting pauses, resumes at n+12 and n+25 (the queued round there is undone).
+    out = _run(model, prompt, {n, n + 12, n + 25}, ref, max_tokens=40)
+    assert out.tokens == plain.tokens
+    st = out.stats
+    assert st.accepted > 0 and st.lookahead_rounds > 10 and st.lookahead_aborts >= 2
+    assert st.target_forwards == sum(st.block_sizes.values())
+    # Never drafting: every round from the third on is queued ahead.
+    out = _run(model, prompt, set(), ref, max_tokens=40)
+    assert out.tokens == plain.tokens
+    assert out.stats.lookahead_rounds >= 40 - 4 and out.stats.lookahead_aborts == 0
+    for m in (1, 2, 3, 5):  # max_tokens stays exact
+        assert _run(model, prompt, set(), ref, max_tokens=m).tokens == plain.tokens[:m]
+
+
+def test_sampled_lookahead_draws_the_acceptors_token():
+    model = make_tiny_model("llama", vocab_size=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for seed in range(3):
+        plain = specdec.assemble(model, policy="none").generate(
+            prompt, max_tokens=30, temperature=1.0, seed=seed
+        )
+        ref = prompt + plain.tokens
+        out = _run(
+            model, prompt, {len(prompt) + 10}, ref, max_tokens=30, temperature=1.0, seed=seed
+        )
+        assert out.tokens == plain.tokens
+        # The lazily sampled token of a paused round is the acceptor's: nothing undone
+        # except at the round where the drafter proposed again.
+        assert out.stats.lookahead_rounds > 10 and out.stats.lookahead_aborts <= 1
+
+
+def test_a_stop_token_ends_the_stream_and_undoes_the_queued_round():
+    model = make_tiny_model("llama", vocab_size=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = specdec.assemble(model, policy="none").generate(prompt, max_tokens=30).tokens
+    stop = plain[15]
+    first = plain.index(stop)
+    ref = prompt + plain
+    out = _run(model, prompt, set(), ref, max_tokens=30, stop_tokens=[stop])
+    want = specdec.assemble(model, policy="none").generate(
+        prompt, max_tokens=30, stop_tokens=[stop]
+    )
+    assert out.tokens == want.tokens == plain[:first]  # the stop token is not emitted
+    assert out.stats.finish_reason == "stop" and out.stats.lookahead_rounds > 3
+
+
+def test_no_lookahead_with_an_on_round_callback():
+    model = make_tiny_model("llama", vocab_size=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    seen = []
+    out = _run(model, prompt, set(), [], max_tokens=12, on_round=lambda r, c: seen.append(r))
+    assert len(seen) == out.stats.target_forwards == 12
+    assert out.stats.lookahead_rounds == 0
+
+
+def test_no_lookahead_for_drafters_that_read_the_caches():
+    model = make_tiny_model("llama", vocab_size=64)
+
+    class Kv(_Sometimes):
+        needs = frozenset({"kv"})
+
+    drafter = Kv()
+
+    class P:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("sometimes", lambda **o: drafter)
+
+    with plugin_host(P(), load_entry_points=False) as host:
+        pipe = specdec.assemble(model, policy={"drafters": ["sometimes"]}, host=host)
+        out = pipe.generate([3, 1, 4, 1, 5], max_tokens=12)
+    assert out.stats.lookahead_rounds == 0 and out.stats.target_forwards == 12
