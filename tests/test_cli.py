@@ -631,3 +631,46 @@ def test_doctor_model_prints_the_verify_cost_curve(capsys, tiny_model, tmp_path,
 def test_doctor_reprofile_needs_a_model(capsys):
     rc, _, err = run_cli(capsys, "doctor", "--reprofile")
     assert rc != 0 and "--reprofile needs --model" in err
+
+
+# -- subcommands from plugins (the specdec_register_commands hook) ----------------------
+
+
+def test_hook_specdec_register_commands(capsys):
+    from specdec.testing import plugin_host
+
+    ran = []
+
+    class Hello:
+        @specdec.hookimpl
+        def specdec_register_commands(self, subparsers):
+            p = subparsers.add_parser("hello", help="say hello")
+            p.add_argument("--who", default="world")
+            p.set_defaults(func=lambda a: ran.append(a.who) or 0)
+
+            def fails(args):
+                raise specdec.PolicyError("bad thing, use a good thing")
+
+            subparsers.add_parser("fails").set_defaults(func=fails)
+
+    class Taken:
+        @specdec.hookimpl
+        def specdec_register_commands(self, subparsers):
+            subparsers.add_parser("generate")  # the core's
+
+    class Broken:
+        @specdec.hookimpl
+        def specdec_register_commands(self, subparsers):
+            subparsers.add_parser("half")
+            raise RuntimeError("plugin bug")
+
+    with plugin_host(Hello(), Taken(), Broken(), load_entry_points=False):
+        assert main(["hello", "--who", "you"]) == 0 and ran == ["you"]
+        err = capsys.readouterr().err
+        assert "command 'generate' is left out: the name is taken" in err
+        assert "could not be added: RuntimeError: plugin bug" in err
+        assert main(["fails"]) == 2
+        assert "specdec: error: bad thing, use a good thing" in capsys.readouterr().err
+        assert main(["half"]) == 2  # the broken plugin's commands are left out
+        assert main(["generate", "--help"]) == 0  # the core's generate is intact
+        assert "--draft-model" in capsys.readouterr().out

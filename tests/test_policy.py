@@ -279,3 +279,26 @@ def test_toml_with_bad_value(tmp_path):
 def test_missing_toml_file(tmp_path):
     with pytest.raises(PolicyError, match="cannot read policy file"):
         load_policy(str(tmp_path / "nope.toml"))
+
+
+def test_option_checks_name_the_component_the_option_and_what_is_accepted():
+    import specdec
+    from specdec.options import bool_option, fraction_option, int_option, reject_unknown
+
+    reject_unknown("c", {"a": 1}, ["a", "b"])
+    with pytest.raises(
+        PolicyError, match=r"c: unknown option\(s\) \['z'\]; accepted options are \['a', 'b'\]"
+    ):
+        reject_unknown("c", {"z": 1, "a": 2}, ("b", "a"))
+    assert int_option("c", "n", 3, 1) == 3
+    for bad in (0, True, 2.0, "3"):
+        with pytest.raises(PolicyError, match="c: option n must be an integer >= 1, got"):
+            int_option("c", "n", bad, 1)
+    assert fraction_option("c", "f", 1) == 1.0
+    for bad in (-0.1, 1.5, False, "0.5"):
+        with pytest.raises(PolicyError, match=r"c: option f must be a number in \[0, 1\]"):
+            fraction_option("c", "f", bad)
+    assert bool_option("c", "b", False) is False
+    with pytest.raises(PolicyError, match="c: option b must be true or false, got 1"):
+        bool_option("c", "b", 1)
+    assert specdec.options.reject_unknown is reject_unknown

@@ -28,6 +28,7 @@ if _blas_status.action == "too_late":
         stacklevel=2,
     )
 
+from . import options
 from .capture import ModelTaps, TapError, model_taps
 from .costs import (
     AcceptanceEstimate,
@@ -48,9 +49,11 @@ from .errors import (
 from .heads import ExactHead, model_vocab_size
 from .hookspecs import hookimpl
 from .kvview import KVView, kv_view, kv_views
+from .loading import model_source, set_model_source
 from .pipeline import GenerationResult, Pipeline, StreamResponse, assemble
 from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host
 from .policy import PRESETS, Policy, load_policy
+from .progress import Progress
 from .roles import (
     CAPABILITIES,
     ROLES,
@@ -81,7 +84,7 @@ from .rollback import (
     RotatingWindowRollback,
     rollback_plan,
 )
-from .sampling import Sampler, validate_request
+from .sampling import STREAM_DRAFT, Sampler, validate_request
 from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
@@ -126,9 +129,11 @@ __all__ = [
     "PluginConflictError",
     "Policy",
     "PolicyError",
+    "Progress",
     "RequestContext",
     "RequestError",
     "RoundResult",
+    "STREAM_DRAFT",
     "Sampler",
     "ShadowScore",
     "SpecdecError",
@@ -146,10 +151,13 @@ __all__ = [
     "kv_view",
     "kv_views",
     "load_policy",
+    "model_source",
     "model_taps",
     "model_vocab_size",
+    "options",
     "profile_verify_cost",
     "reset_plugin_host",
     "rollback_plan",
+    "set_model_source",
     "validate_request",
 ]

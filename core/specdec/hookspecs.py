@@ -51,3 +51,16 @@ def specdec_register_governors(register):
 @hookspec
 def specdec_register_draft_heads(register):
     """Register DraftHead factories: ``register(name, factory, description=...)``."""
+
+
+@hookspec
+def specdec_register_commands(subparsers):
+    """Add subcommands to the ``specdec`` command (as ``llm``'s ``register_commands``).
+
+    ``subparsers`` is argparse's subparsers action of the ``specdec`` parser: call
+    ``subparsers.add_parser(name, help=...)``, add arguments, and
+    ``parser.set_defaults(func=run)`` with ``run(args) -> int`` (the exit status).
+    Called once per ``specdec`` invocation, after the core's own subcommands; an
+    implementation that raises, or adds a name that is taken, is left out with a
+    warning on stderr.
+    """

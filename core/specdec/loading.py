@@ -130,17 +130,40 @@ def load_model(
     """
     check_model_path(spec, what=what, random_weights=random_weights)
     s = os.fspath(spec)
+    folder = Path(s).expanduser()
     if random_weights:
-        return _random_model(Path(s).expanduser(), what=what, seed=seed)
+        model, tokenizer = _random_model(folder, what=what, seed=seed)
+        set_model_source(model, folder)
+        return model, tokenizer
     from mlx_lm import load
 
     try:
-        return load(str(Path(s).expanduser()) if Path(s).expanduser().exists() else s)
+        model, tokenizer = load(str(folder) if folder.exists() else s)
     except Exception as exc:
         raise ModelLoadError(
             f"could not load {what} {s!r}: {type(exc).__name__}: {exc}. Point it at a local mlx-lm "
             "model folder (no network access is needed for local folders)"
         ) from exc
+    if folder.is_dir():
+        set_model_source(model, folder)
+    return model, tokenizer
+
+
+_SOURCE_ATTR = "_specdec_source"
+
+
+def set_model_source(model: Any, folder: str | os.PathLike) -> None:
+    """Record the folder ``model`` was loaded from (what :func:`model_source` returns)."""
+    object.__setattr__(model, _SOURCE_ATTR, Path(folder).resolve())
+
+
+def model_source(model: Any) -> Path | None:
+    """The local folder :func:`specdec.assemble` (or :func:`load_model`) loaded ``model``
+    from, or ``None`` (a model object built or loaded elsewhere, or a Hub id). Plugins
+    read files the loader does not keep from it (e.g. the MTP weights mlx-lm drops)."""
+    d = getattr(model, "__dict__", {})
+    v = d.get(_SOURCE_ATTR)
+    return v if isinstance(v, Path) else None
 
 
 def _random_model(folder: Path, *, what: str, seed: int) -> tuple[Any, Any]:

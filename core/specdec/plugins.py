@@ -39,6 +39,7 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "ngram_copy": "specdec-plugin-ngram",
     "copy_governor": "specdec-plugin-copy-governor",
     "gdn_transaction": "specdec-plugin-qwen-mtp-gdn",
+    "qwen_mtp": "specdec-plugin-qwen-mtp-gdn",
 }
 
 _HOOK_BY_ROLE = {

@@ -210,6 +210,17 @@ PRESETS: dict[str, Policy] = {
     ),
     "ngram": Policy(name="ngram", drafters=("ngram_copy",)),
     "draft": Policy(name="draft", drafters=("draft_model",)),
+    # The model's own MTP head (specdec-plugin-qwen-mtp-gdn), which reads the target's
+    # hidden states; copy-mtp copies where the context has a match and uses the head
+    # otherwise.
+    "mtp": Policy(name="mtp", drafters=("qwen_mtp",), verifier="hidden"),
+    "copy-mtp": Policy(
+        name="copy-mtp",
+        drafters=("ngram_copy", "qwen_mtp"),
+        verifier="hidden",
+        governor="copy_governor",
+        options={"copy_governor": {"suspend_after": 5}},
+    ),
 }
 
 

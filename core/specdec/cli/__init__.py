@@ -88,6 +88,51 @@ SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
 )
 
 
+def _add_plugin_commands(sub: Any) -> None:
+    """Subcommands that installed plugins add through the ``specdec_register_commands``
+    hook. An implementation that raises, or whose command name is taken, is left out
+    with a warning on stderr; the other commands still work."""
+    import argparse as _argparse
+
+    from ..plugins import get_plugin_host
+
+    try:
+        pm = get_plugin_host().pm
+    except Exception as exc:  # plugins that cannot be loaded: the core's commands remain
+        print(f"{PROG}: warning: plugin commands not loaded: {exc}", file=sys.stderr)
+        return
+    for impl in pm.hook.specdec_register_commands.get_hookimpls():
+        before = dict(sub.choices)
+        guard = _NoOverride(sub, before)
+        try:
+            impl.function(subparsers=guard)
+        except _argparse.ArgumentError as exc:
+            print(f"{PROG}: warning: plugin {impl.plugin_name!r}: {exc}", file=sys.stderr)
+        except Exception as exc:
+            for name in set(sub.choices) - set(before):
+                sub.choices.pop(name, None)
+            print(
+                f"{PROG}: warning: the commands of plugin {impl.plugin_name!r} could not be "
+                f"added: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
+
+
+class _NoOverride:
+    """The subparsers action as a plugin sees it: adding a taken name is refused."""
+
+    def __init__(self, sub: Any, taken: dict) -> None:
+        self._sub, self._taken = sub, taken
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        if name in self._sub.choices:
+            raise argparse.ArgumentError(None, f"command {name!r} is left out: the name is taken")
+        return self._sub.add_parser(name, **kwargs)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._sub, attr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import specdec
 
@@ -100,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for add in SUBCOMMANDS:
         add(sub)
+    _add_plugin_commands(sub)
     return parser
 
 

@@ -105,19 +105,11 @@ class DrafterState:
 
 
 def _check_fraction(label: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise specdec.PolicyError(
-            f"{NAME}: option {label} must be a number in [0, 1], got {value!r}"
-        )
-    return float(value)
+    return specdec.options.fraction_option(NAME, label, value)
 
 
 def _check_int(label: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise specdec.PolicyError(
-            f"{NAME}: option {label} must be an integer >= {minimum}, got {value!r}"
-        )
-    return value
+    return specdec.options.int_option(NAME, label, value, minimum)
 
 
 class CopyGovernor(BaseGovernor):
@@ -184,11 +176,7 @@ class CopyGovernor(BaseGovernor):
                 f"{NAME}: max_suspend_rounds ({max_suspend_rounds}) must be >= "
                 f"suspend_rounds ({suspend_rounds})"
             )
-        if not isinstance(shadow, bool):
-            raise specdec.PolicyError(
-                f"{NAME}: option shadow must be true or false, got {shadow!r}"
-            )
-        self.shadow = shadow
+        self.shadow = specdec.options.bool_option(NAME, "shadow", shadow)
         self.resume_matches = _check_int("resume_matches", resume_matches, 1)
 
     # -- the Governor protocol ----------------------------------------------------
@@ -391,9 +379,5 @@ def create_copy_governor(**options: Any) -> CopyGovernor:
     Raises:
         specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
     """
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if unknown:
-        raise specdec.PolicyError(
-            f"{NAME}: unknown option(s) {unknown}; accepted options are {sorted(DEFAULTS)}"
-        )
+    specdec.options.reject_unknown(NAME, options, DEFAULTS)
     return CopyGovernor(**options)

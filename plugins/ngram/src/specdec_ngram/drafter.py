@@ -610,9 +610,5 @@ def create_ngram_copy(**options: Any) -> NgramCopyDrafter:
     Raises:
         specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
     """
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if unknown:
-        raise specdec.PolicyError(
-            f"{NAME}: unknown option(s) {unknown}; accepted options are {sorted(DEFAULTS)}"
-        )
+    specdec.options.reject_unknown(NAME, options, DEFAULTS)
     return NgramCopyDrafter(**options)
