@@ -23,7 +23,10 @@ def test_rollback_is_registered_by_the_distribution():
     assert info.distribution == "specdec-plugin-qwen-mtp-gdn"
     listed = host.to_dict(include_builtins=False)
     mine = [p for p in listed["plugins"] if p["distribution"] == "specdec-plugin-qwen-mtp-gdn"]
-    assert mine and mine[0]["components"] == {"cache_rollback": ["gdn_transaction"]}
+    assert mine and mine[0]["components"] == {
+        "cache_rollback": ["gdn_transaction"],
+        "drafter": ["qwen_mtp"],
+    }
 
 
 def platform_default_strategy() -> str:

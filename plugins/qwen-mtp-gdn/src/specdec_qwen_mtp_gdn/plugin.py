@@ -19,3 +19,27 @@ def specdec_register_cache_rollbacks(register):
             "(option: strategy = auto | capture | tape | rerun)."
         ),
     )
+
+
+@specdec.hookspecs.hookimpl
+def specdec_register_drafters(register):
+    """Register the ``qwen_mtp`` drafter (the model's own MTP head)."""
+    from .mtp_drafter import NAME as MTP_NAME
+    from .mtp_drafter import create_qwen_mtp
+
+    register(
+        MTP_NAME,
+        create_qwen_mtp,
+        description=(
+            "Drafts with the native MTP head of Qwen3-Next / Qwen3.5, read from the original "
+            "checkpoint (options: mtp_path, depth, max_depth, adaptive, head)."
+        ),
+    )
+
+
+@specdec.hookspecs.hookimpl
+def specdec_register_commands(subparsers):
+    """Add ``specdec train-head``."""
+    from .cli import add_train_head_parser
+
+    add_train_head_parser(subparsers)

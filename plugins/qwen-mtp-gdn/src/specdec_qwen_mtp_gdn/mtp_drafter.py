@@ -1,0 +1,411 @@
+"""The ``qwen_mtp`` drafter: the target's own MTP head drafts for it.
+
+A round's drafting, for a history of ``n`` tokens (the last one, at ``n - 1``, not yet
+through the target):
+
+1. **Catch-up.** The head's cache holds one entry per position ``t`` whose true
+   target hidden state ``h_t`` is known and whose next token ``x[t+1]`` is committed.
+   The pairs the last rounds made known (``h_t`` from the verify forwards' rows of the
+   accepted tokens, ``x[t+1]`` from the history) go through the head in one call, up
+   to position ``n - 2``. Its last output predicts ``x[n]``: the first draft. The first
+   round's pairs come from prefill (every prompt chunk's hidden states), so the first
+   round drafts too.
+2. **Recursion.** Each further draft feeds the head's own output (after its final
+   norm) as the hidden state and the previous draft as the token, one position on.
+3. **Rollback.** The recursive entries of the head's cache are dropped at once (they
+   were built from the head's guesses); the next catch-up writes the true ones.
+
+No second target forward is ever needed. Greedy drafts are the head's argmax; under
+sampling they are drawn from the head's distribution with the request's sampler
+(``specdec.STREAM_DRAFT`` keys), which is returned as ``q`` for rejection sampling.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import specdec
+from specdec import (
+    BaseDrafter,
+    BaseDrafterSession,
+    Draft,
+    PrefillChunk,
+    RequestContext,
+    RoundResult,
+)
+
+from .mtp import MTPLoadError, load_mtp, text_model
+
+NAME = "qwen_mtp"
+
+#: Default options of ``qwen_mtp`` (see the README).
+DEFAULTS: dict[str, Any] = {
+    "mtp_path": None,
+    "depth": 3,
+    "max_depth": 6,
+    "adaptive": True,
+    "grow_at": 0.65,
+    "shrink_below": 0.3,
+    "window": 32,
+    "head": "exact",
+    "norm_shift": True,
+    "sampled_drafts": "sample",
+}
+
+#: Pending target hidden rows fed eagerly once this many accumulate (rounds other
+#: drafters won), so memory stays bounded.
+_MAX_PENDING = 256
+
+
+def _int(label: str, v: Any, lo: int) -> int:
+    return specdec.options.int_option(NAME, label, v, lo)
+
+
+def _frac(label: str, v: Any) -> float:
+    return specdec.options.fraction_option(NAME, label, v)
+
+
+class AdaptiveDepth:
+    """How many tokens to draft next round, from the outcomes of the last ``window`` rounds.
+
+    - **Grow** by one (up to ``max_depth``) once the window is full and at least
+      ``grow_at`` of its rounds at the current depth had every draft accepted.
+    - **Shrink** by one (down to 1) once, among at least 8 rounds of the window that
+      reached the deepest position (all shallower drafts accepted), that position was
+      accepted in fewer than ``shrink_below`` of them: it no longer pays for its draft
+      step and its verify width.
+
+    The window is cleared after each change, so the new depth is judged on its own.
+    """
+
+    def __init__(
+        self,
+        depth: int,
+        max_depth: int,
+        *,
+        adaptive: bool = True,
+        grow_at: float = 0.65,
+        shrink_below: float = 0.3,
+        window: int = 32,
+    ) -> None:
+        self.depth = depth
+        self.max_depth = max_depth
+        self.adaptive = adaptive
+        self.grow_at = grow_at
+        self.shrink_below = shrink_below
+        self.window = window
+        self.recent: deque = deque(maxlen=window)
+        self.grew = self.shrank = 0
+
+    def observe(self, proposed: int, accepted: int) -> int:
+        """Learn a round's outcome; returns the depth for the next round."""
+        self.recent.append((proposed, accepted))
+        if not self.adaptive:
+            return self.depth
+        at_depth = [a >= k for k, a in self.recent if k == self.depth]
+        if (
+            len(self.recent) == self.window
+            and self.depth < self.max_depth
+            and len(at_depth) >= self.window // 2
+            and sum(at_depth) / len(at_depth) >= self.grow_at
+        ):
+            self.depth += 1
+            self.grew += 1
+            self.recent.clear()
+        elif self.depth > 1:
+            deep = self.depth - 1  # drafts before the deepest position
+            reached = [a for k, a in self.recent if k > deep and a >= deep]
+            if (
+                len(reached) >= 8
+                and sum(a > deep for a in reached) / len(reached) < self.shrink_below
+            ):
+                self.depth -= 1
+                self.shrank += 1
+                self.recent.clear()
+        return self.depth
+
+
+class QwenMTPDrafter(BaseDrafter):
+    """Drafts with the native MTP head of a Qwen3-Next / Qwen3.5 target.
+
+    Args:
+        mtp_path: the original Hugging Face checkpoint folder (or a ``.safetensors``
+            file) holding the ``mtp.*`` weights; ``None``: the target's own model folder
+            (:func:`specdec.model_source`).
+        depth: drafts per round to start with.
+        max_depth: the most drafts per round adaptive depth grows to.
+        adaptive: grow and shrink the depth from the acceptance of the last rounds.
+        grow_at: grow by one once this fraction of the last ``window`` rounds had every
+            draft accepted.
+        shrink_below: shrink by one once the deepest position's acceptance, given the
+            one before it was accepted, falls below this over the last rounds.
+        window: the rounds adaptive depth looks at.
+        head: the draft head turning the MTP output into logits (``"exact"``: the
+            target's own output layer; ``"coarse_head"`` once installed).
+        norm_shift: ``True`` (the Hugging Face convention: norm weights stored as
+            ``w - 1``), ``False``, or ``"auto"`` (per weight, for re-exports that mix
+            conventions; see :func:`specdec_qwen_mtp_gdn.mtp.shift_norms`).
+        sampled_drafts: under temperature > 0, ``"sample"`` draws each draft from the
+            head's distribution and hands it over as ``q``; ``"greedy"`` drafts the
+            head's argmax (point masses, no ``q``), so a seeded run emits exactly the
+            tokens of the seeded plain run.
+
+    Raises:
+        specdec.PolicyError: an option has a bad value.
+    """
+
+    name = NAME
+    needs = frozenset({"hidden"})
+
+    def __init__(
+        self,
+        *,
+        mtp_path: str | os.PathLike | None = DEFAULTS["mtp_path"],
+        depth: int = DEFAULTS["depth"],
+        max_depth: int = DEFAULTS["max_depth"],
+        adaptive: bool = DEFAULTS["adaptive"],
+        grow_at: float = DEFAULTS["grow_at"],
+        shrink_below: float = DEFAULTS["shrink_below"],
+        window: int = DEFAULTS["window"],
+        head: str = DEFAULTS["head"],
+        norm_shift: str | bool = DEFAULTS["norm_shift"],
+        sampled_drafts: str = DEFAULTS["sampled_drafts"],
+    ) -> None:
+        if mtp_path is not None and not isinstance(mtp_path, (str, os.PathLike)):
+            raise specdec.PolicyError(
+                f"{NAME}: option mtp_path must be a folder or file path, got {mtp_path!r}"
+            )
+        self.mtp_path = None if mtp_path is None else Path(os.fspath(mtp_path)).expanduser()
+        self.depth = _int("depth", depth, 1)
+        self.max_depth = _int("max_depth", max_depth, 1)
+        if self.max_depth < self.depth:
+            raise specdec.PolicyError(f"{NAME}: max_depth ({max_depth}) must be >= depth ({depth})")
+        if not isinstance(adaptive, bool):
+            raise specdec.PolicyError(
+                f"{NAME}: option adaptive must be true or false, got {adaptive!r}"
+            )
+        self.adaptive = adaptive
+        self.grow_at = _frac("grow_at", grow_at)
+        self.shrink_below = _frac("shrink_below", shrink_below)
+        self.window = _int("window", window, 2)
+        if not isinstance(head, str) or not head:
+            raise specdec.PolicyError(
+                f"{NAME}: option head must be a draft head name, got {head!r}"
+            )
+        self.head = head
+        if norm_shift not in ("auto", True, False):
+            raise specdec.PolicyError(
+                f"{NAME}: option norm_shift must be 'auto', true or false, got {norm_shift!r}"
+            )
+        self.norm_shift = norm_shift
+        if sampled_drafts not in ("sample", "greedy"):
+            raise specdec.PolicyError(
+                f"{NAME}: option sampled_drafts must be 'sample' or 'greedy', got {sampled_drafts!r}"
+            )
+        self.sampled_drafts = sampled_drafts
+        self.module = None
+        self.info: dict = {}
+        self._target = None
+
+    def attach(self, model: Any, tokenizer: Any) -> None:
+        """Load the MTP head for ``model`` (once per pipeline), before any request.
+
+        Raises:
+            MTPLoadError (a :class:`specdec.ModelLoadError`): no MTP weights where they
+                were looked for, or weights that do not fit ``model``.
+        """
+        if self._target is model and self.module is not None:
+            return
+        source = self.mtp_path or specdec.model_source(model)
+        if source is None:
+            raise MTPLoadError(
+                f"{NAME}: the target model was not loaded from a local folder, so there is no "
+                "checkpoint to read its MTP head from; set the qwen_mtp option mtp_path to the "
+                "original Hugging Face checkpoint folder"
+            )
+        self.module, self.info = load_mtp(model, source, norm_shift=self.norm_shift)
+        self._target = model
+
+    def session(self, ctx: RequestContext) -> QwenMTPSession:
+        """A fresh head cache for the request."""
+        if self.module is None or self._target is not ctx.model:
+            self.attach(ctx.model, ctx.tokenizer)
+        return QwenMTPSession(self, ctx)
+
+
+class QwenMTPSession(BaseDrafterSession):
+    """One request's MTP cache, pending hidden states and depth."""
+
+    def __init__(self, drafter: QwenMTPDrafter, ctx: RequestContext) -> None:
+        self.d = drafter
+        self.module = drafter.module
+        self.cache = self.module.make_cache()
+        self.embed = text_model(ctx.model).model.embed_tokens
+        if ctx.head is None:
+            raise specdec.PolicyError(
+                f"{NAME}: no draft head was handed over (head option {drafter.head!r})"
+            )
+        self.head = ctx.head
+        self.sampler = ctx.sampler
+        self.tokens: list[int] = list(ctx.prompt_tokens)  # prompt + committed
+        self.fed = 0  # head cache entries: positions 0 .. fed-1
+        self.pending: list[mx.array] = []  # true hidden rows for positions fed, fed+1, ...
+        self.pending_n = 0
+        self.seed: mx.array | None = None  # head output at position fed-1 (predicts fed+1)
+        self.adapt = AdaptiveDepth(
+            drafter.depth,
+            drafter.max_depth,
+            adaptive=drafter.adaptive,
+            grow_at=drafter.grow_at,
+            shrink_below=drafter.shrink_below,
+            window=drafter.window,
+        )
+        self.depth = drafter.depth
+        self.last: tuple[int, int] | None = None  # (start position, drafted) of our proposal
+        self.rounds = 0
+        self.proposed = 0
+        self.accepted_total = 0
+        self.reached = [0] * drafter.max_depth
+        self.accepted = [0] * drafter.max_depth
+        self.gaps = 0
+        self.broken = False
+
+    # -- feeding the head -------------------------------------------------------------
+
+    def _add_hidden(self, start: int, rows: mx.array) -> None:
+        have = self.fed + self.pending_n
+        if start > have:
+            self.gaps += 1
+            self.broken = True  # positions whose hidden states never came: stop drafting
+            return
+        skip = have - start
+        if skip >= rows.shape[0]:
+            return
+        self.pending.append(rows[skip:])
+        self.pending_n += rows.shape[0] - skip
+
+    def _catch_up(self, upto: int) -> bool:
+        """Feed the pending pairs for positions ``fed .. upto`` (needs ``x[upto+1]``)."""
+        n = upto + 1 - self.fed
+        if n <= 0:
+            return n == 0 and self.seed is not None  # caught up already
+        if self.pending_n < n or len(self.tokens) < upto + 2:
+            return False
+        hid = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=0)
+        toks = mx.array(self.tokens[self.fed + 1 : upto + 2])
+        out = self.module(self.embed(toks)[None], hid[None, :n], self.cache)
+        self.seed = out[0, -1:]
+        rest = hid[n:]
+        self.pending = [rest] if rest.shape[0] else []
+        self.pending_n -= n
+        self.fed = upto + 1
+        return True
+
+    def prefill(self, chunk: PrefillChunk) -> None:
+        """Keep the chunk's hidden states and run the head over the pairs they complete."""
+        h = chunk.result.hidden
+        if h is None:
+            return
+        self._add_hidden(chunk.start_position, h)
+        # Every prompt token is known: positions up to the chunk's last can be fed.
+        end = chunk.start_position + len(chunk.tokens) - 1
+        if end + 1 < len(self.tokens) and self._catch_up(end):
+            mx.eval([c.state for c in self.cache])
+
+    # -- the Drafter protocol ---------------------------------------------------------
+
+    def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
+        """Catch up to ``len(history) - 2`` and draft ``min(max_len, depth)`` tokens (lazily)."""
+        k = min(max_len, self.depth)
+        n = len(history)
+        if k < 1 or self.broken or n < 2:
+            return None
+        if len(self.tokens) != n:
+            self.tokens = list(history)
+        if not self._catch_up(n - 2) or self.fed != n - 1 or self.seed is None:
+            return None
+        greedy = self.sampler.is_greedy or self.d.sampled_drafts == "greedy"
+        o = self.seed
+        tokens, qs = [], []
+        for i in range(k):
+            logits = self.head.logits(o)  # [1, V]
+            if greedy:
+                y = mx.argmax(logits, axis=-1)
+            else:
+                qs.append(self.sampler.probs(logits)[0])
+                y = self.sampler.sample_lazy(logits, n + i, specdec.STREAM_DRAFT)
+            tokens.append(y)
+            if i + 1 < k:
+                o = self.module(self.embed(y)[None], o[None], self.cache)[0]
+            mx.async_eval(y)
+        if k > 1:
+            for c in self.cache:  # the recursive entries were built from guesses
+                c.trim(k - 1)
+        self.last = (n, k)
+        self.rounds += 1
+        self.proposed += k
+        return Draft(tokens=mx.concatenate(tokens), probs=mx.stack(qs) if qs else None)
+
+    def observe(self, result: RoundResult) -> None:
+        """Keep the hidden rows of the accepted tokens; score our own proposal; adapt depth."""
+        start = result.start_position
+        if self.last is not None and self.last[0] == start and result.drafter == NAME:
+            self._score(len(result.block), result.n_accepted)
+        self.last = None
+        if len(self.tokens) >= start:  # else propose() takes the history as it is
+            self.tokens[start:] = list(result.committed)
+        v = result.verify
+        if v is not None and v.hidden is not None:
+            self._add_hidden(start - 1, v.hidden[: result.n_accepted + 1])
+        if self.pending_n > _MAX_PENDING:
+            self._catch_up(len(self.tokens) - 2)
+
+    def _score(self, k: int, a: int) -> None:
+        self.accepted_total += a
+        for i in range(min(k, len(self.reached))):
+            self.reached[i] += 1
+            if i < a:
+                self.accepted[i] += 1
+        self.depth = self.adapt.observe(k, a)
+
+    def end(self) -> None:
+        """Drop the head cache and pending states."""
+        self.cache = []
+        self.pending = []
+        self.pending_n = 0
+        self.seed = None
+
+    def stats(self) -> dict:
+        """Rounds, depth now and its changes, per-position acceptance, what was loaded."""
+        per_pos = [round(a / r, 4) if r else None for a, r in zip(self.accepted, self.reached) if r]
+        return {
+            "mtp_rounds": self.rounds,
+            "mtp_proposed": self.proposed,
+            "mtp_accepted": self.accepted_total,
+            "depth": self.depth,
+            "depth_grew": self.adapt.grew,
+            "depth_shrank": self.adapt.shrank,
+            "position_reached": [r for r in self.reached if r],
+            "position_accepted": self.accepted[: len(per_pos)],
+            "position_acceptance": per_pos,
+            "hidden_gaps": self.gaps,
+            "mtp": dict(self.d.info),
+        }
+
+
+def create_qwen_mtp(**options: Any) -> QwenMTPDrafter:
+    """Factory registered as ``qwen_mtp``.
+
+    Raises:
+        specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
+    """
+    specdec.options.reject_unknown(NAME, options, DEFAULTS)
+    return QwenMTPDrafter(**options)
+
+
+create_qwen_mtp.needs = QwenMTPDrafter.needs  # read by assemble before building

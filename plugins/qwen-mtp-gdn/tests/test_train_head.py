@@ -1,0 +1,123 @@
+"""``specdec train-head``: bad input before any model work, and a head the default model
+then drafts with (greedy output unchanged)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import specdec
+from specdec.cli import main
+from specdec.testing import check_greedy_identity, make_tiny_model, plain_greedy
+from specdec_qwen_mtp_gdn.checkpoint import save_hf_checkpoint
+from specdec_qwen_mtp_gdn.cli import STATE_FILE, SUMMARY_FILE, shipped_prompts
+from specdec_qwen_mtp_gdn.mtp import MTPLoadError, load_mtp
+from specdec_qwen_mtp_gdn.train import train_mtp_head
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--prompts", "/nonexistent.txt"), "is not a file"),
+        (("--steps", "0"), "--steps must be >= 1"),
+        (("--max-sequences", "1"), "--max-sequences must be >= 2"),
+        (("--continue", "0"), "--continue must be >= 1"),
+        (("--lr", "0"), "--lr must be > 0"),
+        (("--held-out", "1"), "--held-out must be a fraction"),
+        (("--resume",), "holds no training to resume"),
+        (("--resume", "--force"), "exclude each other"),
+    ],
+)
+def test_bad_input_is_one_error_line_before_any_model_work(capsys, tmp_path, argv, message):
+    code, cap = run(capsys, "train-head", "--out", str(tmp_path / "h"), *argv)
+    assert code == 2 and message in cap.err and cap.err.startswith("specdec: error:")
+    assert not (tmp_path / "h").exists()
+
+
+def test_a_non_empty_out_folder_needs_force_or_resume(capsys, tmp_path):
+    (tmp_path / "x").write_text("keep me")
+    code, cap = run(capsys, "train-head", "--out", str(tmp_path))
+    assert code == 2 and "not empty" in cap.err and "--force" in cap.err and "--resume" in cap.err
+    assert (tmp_path / "x").read_text() == "keep me"
+
+
+def test_the_shipped_prompts_are_no_bench_workload():
+    from specdec.bench import get_workloads
+
+    prompts = shipped_prompts()
+    assert len(prompts) >= 30
+    requests = " ".join(w.request for w in get_workloads())
+    assert not any(p in requests for p in prompts)
+
+
+def test_train_head_on_the_default_model_resume_and_draft_with_it(capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(
+        "Write a Python function that adds two numbers.\nName three colors.\n"
+        "Count from one to five.\n"
+    )
+    out = tmp_path / "head"
+    common = (
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--continue",
+        "12",
+        "--save-every",
+        "2",
+        "--no-progress",
+    )
+    code, cap = run(capsys, "train-head", *common, "--steps", "4")
+    assert code == 0, cap.err
+    assert "mtp_path" in cap.out and str(out) in cap.out and "held out" in cap.err
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert (summary["train_sequences"], summary["held_out_sequences"]) == (2, 1)
+    assert summary["steps"] == 4 and summary["last_loss"] < summary["first_loss"]
+    assert 0 <= summary["held_out_top1"] <= 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index and all(k.startswith("mtp.") for k in index)
+    config = json.loads((out / "config.json").read_text())
+    assert config["mtp_num_hidden_layers"] == 1 and config["specdec_target"] == summary["target"]
+    # Resumable: the saved step and data are picked up.
+    code, cap = run(capsys, "train-head", *common, "--steps", "6", "--resume")
+    assert code == 0, cap.err
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["resumed_at"] == 4 and summary["steps"] == 6
+    assert json.loads((out / STATE_FILE).read_text())["step"] == 6
+    # Drafting with it leaves the output as plain decoding's.
+    pol = specdec.load_policy("mtp").with_options("qwen_mtp", mtp_path=str(out))
+    pipe = specdec.assemble(None, policy=pol)
+    prompt = pipe.encode_prompt("Name three colors.")
+    res = pipe.generate(prompt, max_tokens=12)
+    plain = specdec.assemble(None, policy="none").generate(prompt, max_tokens=12)
+    assert res.tokens == plain.tokens
+    st = res.stats.per_drafter["qwen_mtp"]
+    assert st["mtp_rounds"] > 0 and st["mtp"]["path"] == str(out)
+    assert st["mtp"]["trained_by_specdec"]
+    # The head knows whose it is.
+    with pytest.raises(MTPLoadError, match="trained for another model"):
+        load_mtp(make_tiny_model("llama"), out)
+
+
+def test_a_trained_head_drafts_for_a_llama_model(tmp_path):
+    model = make_tiny_model("llama")
+    rng = random.Random(0)
+    seqs = []
+    for _ in range(6):
+        p = [rng.randrange(64) for _ in range(8)]
+        seqs.append(p + plain_greedy(model, p, 56))
+    head, st = train_mtp_head(model, seqs, steps=100)
+    assert st["top1"] > 0.8
+    with pytest.raises(ValueError, match="trunk=False"):
+        save_hf_checkpoint(tmp_path / "all", model, head)
+    save_hf_checkpoint(tmp_path / "head", model, head, trunk=False)
+    pol = specdec.load_policy("mtp").with_options("qwen_mtp", mtp_path=str(tmp_path / "head"))
+    totals = check_greedy_identity(model, pol, seqs[0][:8], max_tokens_list=(3, 40))
+    assert totals["accepted"] > 0
