@@ -664,13 +664,23 @@ def test_hook_specdec_register_commands(capsys):
             subparsers.add_parser("half")
             raise RuntimeError("plugin bug")
 
-    with plugin_host(Hello(), Taken(), Broken(), load_entry_points=False):
+    class Alias:
+        @specdec.hookimpl
+        def specdec_register_commands(self, subparsers):
+            subparsers.add_parser("gen2", aliases=["bench"])  # an alias that is taken
+
+    with plugin_host(Hello(), Taken(), Broken(), Alias(), load_entry_points=False):
         assert main(["hello", "--who", "you"]) == 0 and ran == ["you"]
         err = capsys.readouterr().err
         assert "command 'generate' is left out: the name is taken" in err
         assert "could not be added: RuntimeError: plugin bug" in err
         assert main(["fails"]) == 2
         assert "specdec: error: bad thing, use a good thing" in capsys.readouterr().err
-        assert main(["half"]) == 2  # the broken plugin's commands are left out
+        assert "command 'bench' is left out: the name is taken" in err
+        assert main(["half"]) == 2 and main(["gen2"]) == 2  # left out altogether
+        capsys.readouterr()
+        assert main(["--help"]) == 0
+        listed = capsys.readouterr().out
+        assert "hello" in listed and "half" not in listed and "gen2" not in listed
         assert main(["generate", "--help"]) == 0  # the core's generate is intact
         assert "--draft-model" in capsys.readouterr().out

@@ -123,3 +123,56 @@ def test_no_lookahead_for_drafters_that_read_the_caches():
         pipe = specdec.assemble(model, policy={"drafters": ["sometimes"]}, host=host)
         out = pipe.generate([3, 1, 4, 1, 5], max_tokens=12)
     assert out.stats.lookahead_rounds == 0 and out.stats.target_forwards == 12
+
+
+def test_an_interrupt_during_plain_decoding_stays_an_interrupt(monkeypatch):
+    model = make_tiny_model("llama", vocab_size=64)
+    pipe = specdec.assemble(model, policy="none")
+    real, calls = pipe._finish_round, []
+
+    def finish(row, rnd):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(row, rnd)
+
+    monkeypatch.setattr(pipe, "_finish_round", finish)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.generate([3, 1, 4, 1, 5], max_tokens=12)
+
+
+def test_an_error_after_a_lookahead_was_queued_undoes_it():
+    model = make_tiny_model("llama", vocab_size=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    seen = {"n": 0}
+
+    class Boom(specdec.BaseDrafter):
+        name = "boom"
+
+        def session(self, ctx):
+            class S(specdec.BaseDrafterSession):
+                def propose(self, history, max_len):
+                    return None
+
+                def observe(self, result):
+                    seen["n"] += 1
+                    if seen["n"] == 6:
+                        seen["offset"], seen["cache"] = ctx.caches[0].offset, ctx.caches[0]
+                        raise RuntimeError("drafter bug")
+
+            return S()
+
+    class P:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("boom", Boom)
+
+    with plugin_host(P(), load_entry_points=False) as host:
+        pipe = specdec.assemble(model, policy={"drafters": ["boom"]}, host=host)
+        with pytest.raises(RuntimeError, match="drafter bug"):
+            for _ in pipe.stream(prompt, max_tokens=20):
+                pass
+    # When observe raised, a lookahead was in flight (its token fed): 6 rounds + 1;
+    # the error undid it.
+    assert seen["offset"] == len(prompt) - 1 + 6 + 1
+    assert seen["cache"].offset == len(prompt) - 1 + 6

@@ -632,43 +632,39 @@ class Pipeline:
                 # Drafting has paused: queue the next round as a plain step now, as
                 # plain decoding does, so the host's work overlaps the forward.
                 queued = self._start_lookahead(row, plan, rnd)
-            try:
-                result = self._finish_round(row, rnd)
-            except BaseException:
-                if queued is not None:
-                    queued.txn.abort()
-                raise
-            if queued is not None and queued.fed_token is not None:
-                if int(queued.fed_token.item()) != result.token:
-                    # The acceptor drew another token than the lazy sample: undo it.
-                    queued.txn.abort()
-                    stats.lookahead_aborts += 1
-                    queued = None
-            idle = idle + 1 if result.drafter is None else 0
-            stats.target_forwards += 1
-            pos = result.start_position
-            row.history.extend(result.committed)
-            for _, s in row.sessions:
-                s.observe(result)
-            if row.governor is not None:
-                if result.drafter is not None:
-                    row.governor.observe(result.drafter, len(result.block), result.n_accepted)
-                if result.shadows:
-                    t0 = time.perf_counter()
-                    row.governor.observe_round(result)
-                    stats.shadow_time_s += time.perf_counter() - t0
-                else:
-                    row.governor.observe_round(result)
-            if on_round is not None:
-                on_round(result, row.caches)
             ended = True
             try:
+                result = self._finish_round(row, rnd)
+                if queued is not None and queued.fed_token is not None:
+                    if int(queued.fed_token.item()) != result.token:
+                        # The acceptor drew another token than the lazy sample: undo it.
+                        self._undo_lookahead(row, queued)
+                        queued = None
+                idle = idle + 1 if result.drafter is None else 0
+                stats.target_forwards += 1
+                pos = result.start_position
+                row.history.extend(result.committed)
+                for _, s in row.sessions:
+                    s.observe(result)
+                if row.governor is not None:
+                    if result.drafter is not None:
+                        row.governor.observe(result.drafter, len(result.block), result.n_accepted)
+                    if result.shadows:
+                        t0 = time.perf_counter()
+                        row.governor.observe_round(result)
+                        stats.shadow_time_s += time.perf_counter() - t0
+                    else:
+                        row.governor.observe_round(result)
+                if on_round is not None:
+                    on_round(result, row.caches)
                 ended = yield from self._emit(
                     row, list(result.committed), result.n_accepted, pos, detok, t_start
                 )
             finally:
+                # An error, the end of the stream, or a consumer that closed it: undo a
+                # round queued ahead (plain decoding's queued step has no transaction).
                 if ended and queued is not None and queued.fed_token is not None:
-                    queued.txn.abort()  # the stream ended (or was closed): undo the lookahead
+                    self._undo_lookahead(row, queued)
             if ended:
                 return
 
@@ -758,10 +754,17 @@ class Pipeline:
         it was fed is the one ``rnd`` commits; otherwise it is aborted (its cache writes
         undone) and a normal round runs: the output never depends on it.
         """
-        rnd.txn.commit(rnd.n_fed, rnd.n_fed)  # nothing drafted: keep the fed token
+        try:
+            rnd.txn.commit(rnd.n_fed, rnd.n_fed)  # nothing drafted: keep the fed token
+        except BaseException:
+            rnd.txn.abort()
+            raise
         rnd.committed = True
         y = row.sampler.sample_lazy(rnd.logits[-1:], rnd.position)
         rnd.lazy_sample = y
+        # Evaluated on its own, as plain decoding does: reading the token back then does
+        # not wait for the whole lookahead forward, whose tail overlaps the host's work.
+        self._launch(row, y)
         la = _Round(position=rnd.position + 1, fed_token=y)
         la.acceptor = rnd.acceptor
         la.t_launch = time.perf_counter()
@@ -779,15 +782,24 @@ class Pipeline:
         """The round after a lookahead: the lookahead itself when nobody drafts, else a
         normal round with the drafted block (the lookahead aborted)."""
         rnd = _Round(position=len(row.history))
-        self._plan(row, rnd)
+        try:
+            self._plan(row, rnd)
+        except BaseException:
+            self._undo_lookahead(row, la)
+            raise
         if rnd.chosen is None and la.position == rnd.position:
             la.shadows = rnd.shadows
             row.stats.lookahead_rounds += 1
             return la
-        la.txn.abort()
-        row.stats.lookahead_aborts += 1
+        self._undo_lookahead(row, la)
         self._launch_round(row, plan, rnd)
         return rnd
+
+    @staticmethod
+    def _undo_lookahead(row: _Row, la: _Round) -> None:
+        """Abort a round queued ahead: its cache writes are undone, its forward discarded."""
+        la.txn.abort()
+        row.stats.lookahead_aborts += 1
 
     @staticmethod
     def _shadow(row: _Row, rnd: _Round, name: str, shadow: Callable, limit: int) -> None:

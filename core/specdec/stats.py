@@ -13,7 +13,8 @@ class Stats:
         policy: the policy's name.
         prompt_tokens: prompt length in tokens.
         generation_tokens: tokens emitted.
-        target_forwards: target forwards during decoding (prefill excluded).
+        target_forwards: target forwards during decoding whose result was used, one per
+            round (prefill excluded; rounds queued ahead and undone are ``lookahead_aborts``).
         drafted: draft tokens verified.
         accepted: draft tokens accepted.
         rounds_with_draft: rounds that verified a non-empty block.
@@ -43,8 +44,10 @@ class Stats:
         lookahead_rounds: rounds that drafted nothing and had been queued ahead, as a
             plain step on the previous round's lazily sampled token (after two rounds in
             a row without a draft), so the host's work overlapped the forward.
-        lookahead_aborts: rounds queued ahead that were undone because a drafter did
-            propose after all (or the committed token was another).
+        lookahead_aborts: rounds queued ahead that were undone: a drafter did propose
+            after all, the committed token was another, or the stream ended. Their
+            forwards ran but are not in ``target_forwards``, which counts the rounds
+            whose forward was used.
         verify_cost: the pipeline's cost model's ``stats()`` (empty without one).
         finish_reason: ``"stop"`` or ``"length"``.
     """

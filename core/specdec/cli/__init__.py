@@ -102,31 +102,31 @@ def _add_plugin_commands(sub: Any) -> None:
         print(f"{PROG}: warning: plugin commands not loaded: {exc}", file=sys.stderr)
         return
     for impl in pm.hook.specdec_register_commands.get_hookimpls():
-        before = dict(sub.choices)
-        guard = _NoOverride(sub, before)
+        before, shown = dict(sub.choices), list(sub._choices_actions)
         try:
-            impl.function(subparsers=guard)
+            impl.function(subparsers=_NoOverride(sub))
+            continue
         except _argparse.ArgumentError as exc:
-            print(f"{PROG}: warning: plugin {impl.plugin_name!r}: {exc}", file=sys.stderr)
-        except Exception as exc:
-            for name in set(sub.choices) - set(before):
-                sub.choices.pop(name, None)
-            print(
-                f"{PROG}: warning: the commands of plugin {impl.plugin_name!r} could not be "
-                f"added: {type(exc).__name__}: {exc}",
-                file=sys.stderr,
-            )
+            why = str(exc)
+        except (Exception, SystemExit) as exc:  # a plugin bug, or parser.error()/exit()
+            why = f"its commands could not be added: {type(exc).__name__}: {exc}"
+        # Leave the plugin's commands out altogether: --help must not list them.
+        for name in set(sub.choices) - set(before):
+            sub.choices.pop(name, None)
+        sub._choices_actions[:] = shown
+        print(f"{PROG}: warning: plugin {impl.plugin_name!r}: {why}", file=sys.stderr)
 
 
 class _NoOverride:
-    """The subparsers action as a plugin sees it: adding a taken name is refused."""
+    """The subparsers action as a plugin sees it: adding a taken name (or alias) is refused."""
 
-    def __init__(self, sub: Any, taken: dict) -> None:
-        self._sub, self._taken = sub, taken
+    def __init__(self, sub: Any) -> None:
+        self._sub = sub
 
     def add_parser(self, name: str, **kwargs: Any) -> Any:
-        if name in self._sub.choices:
-            raise argparse.ArgumentError(None, f"command {name!r} is left out: the name is taken")
+        for n in (name, *kwargs.get("aliases", ())):
+            if n in self._sub.choices:
+                raise argparse.ArgumentError(None, f"command {n!r} is left out: the name is taken")
         return self._sub.add_parser(name, **kwargs)
 
     def __getattr__(self, attr: str) -> Any:

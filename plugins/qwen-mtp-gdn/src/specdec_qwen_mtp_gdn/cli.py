@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from importlib import resources
@@ -161,6 +162,8 @@ def _prompt_ids(args: argparse.Namespace, pipe: Any) -> list[list[int]]:
     ids = [list(p) for p in ids if len(p) >= 1]
     if len(ids) < 2:
         raise TrainHeadError("need at least 2 prompts or text windows (one is held out)")
+    # A seeded shuffle: --max-sequences and the held-out tail mix prompts and windows.
+    random.Random(args.seed).shuffle(ids)
     return ids[: args.max_sequences]
 
 
@@ -174,6 +177,11 @@ def _make_data(args: argparse.Namespace, pipe: Any, show: bool) -> dict:
         bar.advance()
     bar.close()
     n_held = max(1, round(len(seqs) * args.held_out))
+    if n_held >= len(seqs):
+        raise TrainHeadError(
+            f"--held-out {args.held_out} of {len(seqs)} sequences leaves none to train on; "
+            "lower it or add prompts"
+        )
     return {"train": seqs[:-n_held], "held_out": seqs[-n_held:]}
 
 
@@ -195,7 +203,9 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         data = json.loads((out / DATA_FILE).read_text())
         if state.get("target") != identity:
             raise TrainHeadError(f"--resume: the training in {str(out)!r} is for another model")
-        init, _ = load_mtp(model, out)
+        import mlx.core as mx
+
+        init, _ = load_mtp(model, out, dtype=mx.float32)  # trained on in float32
         start = int(state["step"])
         if start >= args.steps:
             raise TrainHeadError(

@@ -297,7 +297,8 @@ def target_identity(model: Any) -> dict:
     lm = text_model(model)
     emb = lm.model.embed_tokens
     w = emb.weight if not hasattr(emb, "scales") else emb.scales
-    h = hashlib.sha256(np.asarray(w.astype(mx.float32)).tobytes()).hexdigest()[:24]
+    rows = w[:: max(1, w.shape[0] // 4096)]  # up to ~4k rows: cheap for any vocabulary
+    h = hashlib.sha256(np.asarray(rows.astype(mx.float32)).tobytes()).hexdigest()[:24]
     args = lm.args
     return {
         "model_type": getattr(model, "model_type", None),
@@ -309,12 +310,15 @@ def target_identity(model: Any) -> dict:
 
 
 def load_mtp(
-    target: Any, source: str | Path, *, norm_shift: str | bool = True
+    target: Any, source: str | Path, *, norm_shift: str | bool = True, dtype: Any = None
 ) -> tuple[QwenMTP, dict]:
     """Build and load the MTP head of ``target`` from the checkpoint at ``source``.
 
+    Args:
+        dtype: the weights' dtype (default: the target's embeddings').
+
     Returns:
-        the module (weights in the dtype of the target's embeddings) and what was
+        the module (weights in ``dtype``) and what was
         loaded: ``{"path", "layers", "tensors", "norms_shifted", "experts"}``.
 
     Raises:
@@ -362,8 +366,9 @@ def load_mtp(
             f"qwen_mtp: the MTP weights in {str(folder)!r} do not fit the target model "
             f"({'; '.join(parts)}); is mtp_path the checkpoint of this very model?"
         )
-    emb = text_model(target).model.embed_tokens
-    dtype = (emb.scales if hasattr(emb, "scales") else emb.weight).dtype  # quantized: scales
+    if dtype is None:  # the target's (for a quantized embedding: its scales')
+        emb = text_model(target).model.embed_tokens
+        dtype = (emb.scales if hasattr(emb, "scales") else emb.weight).dtype
     module.load_weights([(k, v.astype(dtype)) for k, v in weights.items()])
     mx.eval(module.parameters())
     module.eval()

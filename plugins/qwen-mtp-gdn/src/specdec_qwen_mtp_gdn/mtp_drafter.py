@@ -362,8 +362,9 @@ class QwenMTPSession(BaseDrafterSession):
         v = result.verify
         if v is not None and v.hidden is not None:
             self._add_hidden(start - 1, v.hidden[: result.n_accepted + 1])
-        if self.pending_n > _MAX_PENDING:
-            self._catch_up(len(self.tokens) - 2)
+        if self.pending_n > _MAX_PENDING and self._catch_up(len(self.tokens) - 2):
+            # Evaluate now: a lazy catch-up would keep the rows and the graph alive.
+            mx.async_eval([c.state for c in self.cache] + [self.seed])
 
     def _score(self, k: int, a: int) -> None:
         self.accepted_total += a
