@@ -272,6 +272,15 @@ def test_adaptive_depth_rule():
     for i in range(32):
         b.observe(2, 2 if i % 2 else 1)  # half the rounds full: below 65%
     assert b.depth == 2
+    d = AdaptiveDepth(3, 4, window=32)
+    for _ in range(7):
+        assert d.observe(3, 0) == 3  # nothing accepted: the deep positions never reached
+    assert d.observe(3, 0) == 2 and d.shrank == 1
+    for _ in range(8):
+        d.observe(2, 0)
+    assert d.depth == 1  # down to one draft, not below
+    for _ in range(20):
+        assert d.observe(1, 0) == 1
     c = AdaptiveDepth(2, 4, adaptive=False)
     for _ in range(40):
         c.observe(2, 2)

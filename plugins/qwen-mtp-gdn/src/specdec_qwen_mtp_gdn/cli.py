@@ -227,8 +227,12 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     bar.start(f"step {start}")
 
     def progress(step: int, total: int, loss: float, held: float | None) -> None:
-        bar.label = f"loss {loss:.3f}" + ("" if held is None else f", held-out top-1 {held:.1%}")
         bar.advance()
+        label = f"loss {loss:.3f}" + ("" if held is None else f", held-out top-1 {held:.1%}")
+        if step % args.save_every == 0 or step == total:
+            bar.start(label)  # a line in a log too (a terminal redraws every step)
+        else:
+            bar.label = label
 
     head, st = train_mtp_head(
         model,

@@ -75,10 +75,11 @@ class AdaptiveDepth:
 
     - **Grow** by one (up to ``max_depth``) once the window is full and at least
       ``grow_at`` of its rounds at the current depth had every draft accepted.
-    - **Shrink** by one (down to 1) once, among at least 8 rounds of the window that
-      reached the deepest position (all shallower drafts accepted), that position was
-      accepted in fewer than ``shrink_below`` of them: it no longer pays for its draft
-      step and its verify width.
+    - **Shrink** by one (down to 1) once the deepest position no longer pays for its
+      draft step and its verify width: among at least 8 rounds of the window that
+      reached it (all shallower drafts accepted) it was accepted in fewer than
+      ``shrink_below`` of them, or among at least 8 rounds that drafted it fewer than
+      ``shrink_below`` reached it at all.
 
     The window is cleared after each change, so the new depth is judged on its own.
     """
@@ -119,11 +120,14 @@ class AdaptiveDepth:
             self.recent.clear()
         elif self.depth > 1:
             deep = self.depth - 1  # drafts before the deepest position
-            reached = [a for k, a in self.recent if k > deep and a >= deep]
-            if (
+            drafted = [a for k, a in self.recent if k > deep]
+            reached = [a for a in drafted if a >= deep]
+            rarely_reached = len(drafted) >= 8 and len(reached) / len(drafted) < self.shrink_below
+            rarely_kept = (
                 len(reached) >= 8
                 and sum(a > deep for a in reached) / len(reached) < self.shrink_below
-            ):
+            )
+            if rarely_reached or rarely_kept:
                 self.depth -= 1
                 self.shrank += 1
                 self.recent.clear()
