@@ -51,11 +51,18 @@ def test_paused_drafting_is_pipelined_and_exact(arch):
     plain = specdec.assemble(model, policy="none").generate(prompt, max_tokens=40)
     ref = prompt + plain.tokens
     n = len(prompt)
-    # Drafting pauses, resumes at n+12 and n+25 (the queued round there is undone).
+    # Drafting pauses, resumes at n+12 and n+25 (the block is fed on the queued round).
     out = _run(model, prompt, {n, n + 12, n + 25}, ref, max_tokens=40)
     assert out.tokens == plain.tokens
     st = out.stats
-    assert st.accepted > 0 and st.lookahead_rounds > 10 and st.lookahead_aborts >= 2
+    assert st.accepted > 0 and st.lookahead_rounds > 10
+    assert st.lookahead_extended == 2 and st.lookahead_aborts == 0
+    # A block of wrong drafts on the queued round: all rejected, the caches rolled back.
+    wrong = [t if i < n else (t + 1) % 64 for i, t in enumerate(ref)]
+    out = _run(model, prompt, {n + 12, n + 25}, wrong, max_tokens=40)
+    assert out.tokens == plain.tokens
+    assert out.stats.lookahead_extended == 2 and out.stats.drafted > 0
+    assert out.stats.accepted == 0
     assert st.target_forwards == sum(st.block_sizes.values())
     # Never drafting: every round from the third on is queued ahead.
     out = _run(model, prompt, set(), ref, max_tokens=40)
@@ -78,8 +85,9 @@ def test_sampled_lookahead_draws_the_acceptors_token():
         )
         assert out.tokens == plain.tokens
         # The lazily sampled token of a paused round is the acceptor's: nothing undone
-        # except at the round where the drafter proposed again.
+        # (the round where the drafter proposed again feeds its block on the queued one).
         assert out.stats.lookahead_rounds > 10 and out.stats.lookahead_aborts <= 1
+        assert out.stats.lookahead_extended == 1 and out.stats.drafted > 0
 
 
 def test_a_stop_token_ends_the_stream_and_undoes_the_queued_round():

@@ -89,7 +89,7 @@ from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.2"
+__version__ = "0.2.3"
 
 __all__ = [
     "CAPABILITIES",

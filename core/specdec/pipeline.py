@@ -24,7 +24,7 @@ from .errors import ModelLoadError, PolicyError, RequestError, UnknownComponentE
 from .heads import model_vocab_size
 from .plugins import PluginHost, get_plugin_host
 from .policy import AUTO, Policy, load_policy
-from .roles import CAPABILITIES, PrefillChunk, RequestContext, RoundResult
+from .roles import CAPABILITIES, PrefillChunk, RequestContext, RoundResult, VerifyResult
 from .rollback import RollbackPlan, build_plan
 from .sampling import Sampler, validate_request
 from .stats import Stats
@@ -157,6 +157,20 @@ class _Round:
     committed: bool = False
     #: the lazily sampled token of a round that drafted nothing (a lookahead was fed it).
     lazy_sample: Any = None
+
+
+def _joined(a: VerifyResult, b: VerifyResult) -> VerifyResult:
+    """One verify result for two forwards in a row (a lookahead, then a block on it)."""
+
+    def cat(x: Any, y: Any) -> Any:
+        return None if x is None or y is None else mx.concatenate([x, y], axis=0)
+
+    return VerifyResult(
+        logits=cat(a.logits, b.logits),
+        hidden=cat(a.hidden, b.hidden),
+        layers={k: cat(v, b.layers[k]) for k, v in a.layers.items() if k in b.layers},
+        extras=dict(b.extras),
+    )
 
 
 def _provides(host: PluginHost, name: str, options: dict) -> frozenset:
@@ -720,26 +734,38 @@ class Pipeline:
         k = 0 if rnd.chosen is None else (rnd.block.size if _is_lazy(rnd.block) else len(rnd.block))
         row.stats.block_sizes[k] = row.stats.block_sizes.get(k, 0) + 1
 
-    def _launch_round(self, row: _Row, plan: RollbackPlan, rnd: _Round) -> None:
-        """Open the transaction and queue the verify forward of ``[last, *block]``."""
+    def _launch_round(
+        self, row: _Row, plan: RollbackPlan, rnd: _Round, on: _Round | None = None
+    ) -> None:
+        """Open the transaction and queue the verify forward of ``[last, *block]``.
+
+        ``on``: a lookahead that was fed ``last`` already (see :meth:`_adopt`): only the
+        block is fed, inside the lookahead's open transaction, and the round's result is
+        the lookahead's joined with the block's.
+        """
         policy, sampler = self.policy, row.sampler
         if row.processors and _is_lazy(rnd.block):
             rnd.block = tuple(rnd.block.tolist())  # processors read the block's history
-        if rnd.chosen is None:
+        if on is not None:
+            inputs = (
+                rnd.block.astype(mx.int32) if _is_lazy(rnd.block) else mx.array(list(rnd.block))
+            )
+        elif rnd.chosen is None:
             inputs = mx.array(row.history[-1:])
         elif _is_lazy(rnd.block):
             inputs = mx.concatenate([mx.array(row.history[-1:]), rnd.block.astype(mx.int32)])
         else:
             inputs = mx.array([row.history[-1], *rnd.block])
-        rnd.n_fed = int(inputs.shape[0])
+        rnd.n_fed = int(inputs.shape[0]) + (0 if on is None else 1)
         if policy.acceptor == AUTO:
             rnd.acceptor = auto_acceptor(sampler, rnd.q is not None)
         else:
             rnd.acceptor = policy.acceptor
         rnd.t_launch = time.perf_counter()
-        rnd.txn = plan.begin()
+        rnd.txn = plan.begin() if on is None else on.txn
         try:
-            rnd.vr = self.verifier.verify(self.model, inputs, row.caches)
+            vr = self.verifier.verify(self.model, inputs, row.caches)
+            rnd.vr = vr if on is None else _joined(on.vr, vr)
             rnd.logits = self._process(rnd.vr.logits, row.history, rnd.block, row.processors)
             self._launch(row, rnd.logits)
         except BaseException:
@@ -750,9 +776,10 @@ class Pipeline:
         """Queue the next round as a plain step on ``rnd``'s lazily sampled token, before
         that token is read back (``rnd`` drafted nothing: its transaction keeps all).
 
-        The next round adopts it when no drafter proposes for it after all and the token
-        it was fed is the one ``rnd`` commits; otherwise it is aborted (its cache writes
-        undone) and a normal round runs: the output never depends on it.
+        The next round adopts it when the token it was fed is the one ``rnd`` commits:
+        as it is when no drafter proposes, else with the block fed on top of it (see
+        :meth:`_adopt`); otherwise it is aborted (its cache writes undone) and a normal
+        round runs: the output never depends on it.
         """
         try:
             rnd.txn.commit(rnd.n_fed, rnd.n_fed)  # nothing drafted: keep the fed token
@@ -780,17 +807,25 @@ class Pipeline:
 
     def _adopt(self, row: _Row, plan: RollbackPlan, la: _Round) -> _Round:
         """The round after a lookahead: the lookahead itself when nobody drafts, else a
-        normal round with the drafted block (the lookahead aborted)."""
+        round that feeds only the drafted block on top of it (the lookahead's forward
+        already holds the last token and the logits that judge the first draft), in the
+        lookahead's own transaction; the lookahead is aborted only when its position is
+        not the round's or its result cannot be joined (verifier extras)."""
         rnd = _Round(position=len(row.history))
         try:
             self._plan(row, rnd)
         except BaseException:
             self._undo_lookahead(row, la)
             raise
-        if rnd.chosen is None and la.position == rnd.position:
-            la.shadows = rnd.shadows
-            row.stats.lookahead_rounds += 1
-            return la
+        if la.position == rnd.position:
+            if rnd.chosen is None:
+                la.shadows = rnd.shadows
+                row.stats.lookahead_rounds += 1
+                return la
+            if not la.vr.extras:
+                self._launch_round(row, plan, rnd, on=la)
+                row.stats.lookahead_extended += 1
+                return rnd
         self._undo_lookahead(row, la)
         self._launch_round(row, plan, rnd)
         return rnd

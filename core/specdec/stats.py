@@ -44,8 +44,13 @@ class Stats:
         lookahead_rounds: rounds that drafted nothing and had been queued ahead, as a
             plain step on the previous round's lazily sampled token (after two rounds in
             a row without a draft), so the host's work overlapped the forward.
-        lookahead_aborts: rounds queued ahead that were undone: a drafter did propose
-            after all, the committed token was another, or the stream ended. Their
+        lookahead_extended: rounds in which a drafter proposed after a round had been
+            queued ahead: only the block was fed, on top of the queued forward (which
+            holds the last token and the logits that judge the first draft), in its
+            transaction; such a round counts once in ``target_forwards``.
+        lookahead_aborts: rounds queued ahead that were undone: the committed token was
+            another, the stream ended, or their result could not be joined with a
+            block's (a verifier's ``extras``). Their
             forwards ran but are not in ``target_forwards``, which counts the rounds
             whose forward was used.
         verify_cost: the pipeline's cost model's ``stats()`` (empty without one).
@@ -76,6 +81,7 @@ class Stats:
     shadow_proposals: int = 0
     shadow_time_s: float = 0.0
     lookahead_rounds: int = 0
+    lookahead_extended: int = 0
     lookahead_aborts: int = 0
     verify_cost: dict = attrs.field(factory=dict)
     finish_reason: str | None = None
