@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 
+import mlx.core as mx
 import pytest
 import specdec
 from specdec.cli import main
@@ -70,6 +71,8 @@ def test_train_head_on_the_default_model_resume_and_draft_with_it(capsys, tmp_pa
         str(out),
         "--continue",
         "12",
+        "--answers",
+        "2",
         "--save-every",
         "2",
         "--no-progress",
@@ -78,7 +81,10 @@ def test_train_head_on_the_default_model_resume_and_draft_with_it(capsys, tmp_pa
     assert code == 0, cap.err
     assert "mtp_path" in cap.out and str(out) in cap.out and "held out" in cap.err
     summary = json.loads((out / SUMMARY_FILE).read_text())
-    assert (summary["train_sequences"], summary["held_out_sequences"]) == (2, 1)
+    # Two answers per prompt (greedy, sampled); a whole prompt is held out.
+    assert (summary["prompts"], summary["held_out_prompts"]) == (3, 1)
+    assert (summary["train_sequences"], summary["held_out_sequences"]) == (4, 2)
+    assert summary["loss"] == "sampled" and not summary["stopped_by_time"]
     assert summary["steps"] == 4 and summary["last_loss"] < summary["first_loss"]
     assert 0 <= summary["held_out_top1"] <= 1
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -121,3 +127,56 @@ def test_a_trained_head_drafts_for_a_llama_model(tmp_path):
     pol = specdec.load_policy("mtp").with_options("qwen_mtp", mtp_path=str(tmp_path / "head"))
     totals = check_greedy_identity(model, pol, seqs[0][:8], max_tokens_list=(3, 40))
     assert totals["accepted"] > 0
+
+
+def test_batched_answers_are_plain_greedy_and_record_the_targets_states():
+    from specdec_qwen_mtp_gdn.train import States, _target, batch_answers
+
+    model = make_tiny_model("llama", vocab_size=64)
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2], [9]]
+    answers, states = batch_answers(model, prompts, max_tokens=12, record=4, batch_size=2)
+    for p, a, st in zip(prompts, answers, states):
+        assert a == plain_greedy(model, p, 12)  # left padding changes nothing
+        ref = States.of(*_target(model, p + a), 4)
+        n = st.hidden.shape[0]
+        assert n == len(p + a) - 1  # the last token was never fed
+        assert mx.allclose(st.hidden, ref.hidden[:n], atol=1e-4).item()
+        assert (st.top1 == ref.top1[:n]).all().item()
+    # An end-of-sequence token ends an answer and is kept out of it.
+    eos = answers[0][3]
+    cut, _ = batch_answers(model, prompts[:1], max_tokens=12, eos=[eos])
+    assert cut[0] == answers[0][: answers[0].index(eos)]
+
+
+def test_the_sampled_loss_is_the_full_one_where_the_candidates_cover_the_vocabulary():
+    from specdec_qwen_mtp_gdn.mtp import QwenMTP
+    from specdec_qwen_mtp_gdn.train import OutputLayer
+
+    model = make_tiny_model("llama", vocab_size=64)
+    assert OutputLayer(model).affine
+    rng = random.Random(1)
+    seqs = []
+    for _ in range(3):
+        p = [rng.randrange(64) for _ in range(6)]
+        seqs.append(p + plain_greedy(model, p, 20))
+    losses = {}
+    for loss in ("sampled", "full"):
+        mx.random.seed(0)
+        init = QwenMTP(model, 1)  # the same start for both
+        _, st = train_mtp_head(
+            model, seqs, steps=1, init=init, loss=loss, candidates=64, mse_weight=0.0
+        )
+        losses[loss] = st["first_loss"]
+    assert losses["sampled"] == pytest.approx(losses["full"], rel=1e-4)
+    # A soft-capped output layer is not affine: 'auto' falls back to the full loss.
+    gemma = make_tiny_model("gemma4", vocab_size=64)
+    assert not OutputLayer(gemma).affine
+    with pytest.raises(ValueError, match="affine"):
+        train_mtp_head(gemma, seqs, steps=1, loss="sampled")
+
+
+def test_training_stops_at_its_time_limit():
+    model = make_tiny_model("llama", vocab_size=64)
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8]] * 2
+    _, st = train_mtp_head(model, seqs, steps=10_000, time_limit=0.5, batch_size=1)
+    assert st["stopped_by_time"] and 1 <= st["steps"] < 10_000

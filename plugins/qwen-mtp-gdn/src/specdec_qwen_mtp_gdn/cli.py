@@ -71,8 +71,8 @@ def add_train_head_parser(sub: Any) -> None:
     p.add_argument(
         "--max-sequences",
         type=int,
-        default=48,
-        help="sequences in all, held out ones too (default: 48)",
+        default=200,
+        help="prompts and --text windows in all, held out ones too (default: 200)",
     )
     p.add_argument(
         "--continue",
@@ -88,11 +88,48 @@ def add_train_head_parser(sub: Any) -> None:
         "--held-out", type=float, default=0.1, help="fraction of sequences held out (default: 0.1)"
     )
     p.add_argument(
-        "--soft-top-k",
+        "--answers",
         type=int,
-        default=64,
-        help="distil the target's distribution over its k most likely tokens (0: the text's "
-        "tokens as labels; default: 64)",
+        default=4,
+        help="answers the model writes per prompt or window: the first greedy, the others "
+        "sampled at --sample-temp (default: 4)",
+    )
+    p.add_argument(
+        "--sample-temp",
+        type=float,
+        default=0.8,
+        help="the temperature of the sampled answers (default: 0.8)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="sequences per optimizer step (default: 8)"
+    )
+    p.add_argument(
+        "--loss",
+        choices=("auto", "sampled", "full"),
+        default="auto",
+        help="sampled: KL over a candidate set plus the whole vocabulary's logit error "
+        "through the output layer's Gram matrix (cheap); full: KL over the whole "
+        "vocabulary; auto: sampled where the output layer is affine (default: auto)",
+    )
+    p.add_argument(
+        "--candidates",
+        type=int,
+        default=8,
+        help="the target's most likely tokens per position in the sampled loss's "
+        "candidate set (default: 8)",
+    )
+    p.add_argument(
+        "--negatives",
+        type=int,
+        default=1024,
+        help="tokens drawn uniformly into the candidate set every step (default: 1024)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="stop training after this many minutes (the data's generation not counted) "
+        "and save the head (default: no limit)",
     )
     p.add_argument(
         "--save-every", type=int, default=50, help="checkpoint interval in steps (default: 50)"
@@ -112,7 +149,10 @@ def _check(args: argparse.Namespace) -> Path:
         ("max_sequences", 2),
         ("continue_tokens", 1),
         ("save_every", 1),
-        ("soft_top_k", 0),
+        ("answers", 1),
+        ("batch_size", 1),
+        ("candidates", 1),
+        ("negatives", 0),
     ):
         v = getattr(args, name)
         if v < lo:
@@ -120,6 +160,10 @@ def _check(args: argparse.Namespace) -> Path:
             raise TrainHeadError(f"{flag} must be >= {lo}, got {v}")
     if not args.lr > 0:
         raise TrainHeadError(f"--lr must be > 0, got {args.lr}")
+    if not args.sample_temp > 0:
+        raise TrainHeadError(f"--sample-temp must be > 0, got {args.sample_temp}")
+    if args.minutes is not None and not args.minutes > 0:
+        raise TrainHeadError(f"--minutes must be > 0, got {args.minutes}")
     if not 0 < args.held_out < 1:
         raise TrainHeadError(f"--held-out must be a fraction in (0, 1), got {args.held_out}")
     for f in [*args.text, *([args.prompts] if args.prompts else [])]:
@@ -167,22 +211,64 @@ def _prompt_ids(args: argparse.Namespace, pipe: Any) -> list[list[int]]:
     return ids[: args.max_sequences]
 
 
-def _make_data(args: argparse.Namespace, pipe: Any, show: bool) -> dict:
+def _eos_ids(tokenizer: Any) -> list[int]:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        one = getattr(tokenizer, "eos_token_id", None)
+        ids = [] if one is None else [one]
+    return [int(t) for t in ids]
+
+
+def _make_data(args: argparse.Namespace, pipe: Any, show: bool) -> tuple[dict, list]:
+    """The model's answers: ``--answers`` per prompt (the first greedy), whole prompts held
+    out (their answers are alike, so a held-out answer of a trained prompt would flatter)."""
+    from .train import batch_answers
+
     prompts = _prompt_ids(args, pipe)
-    bar = specdec.Progress(len(prompts), prefix="train-head: the model answers", enabled=show)
-    seqs = []
-    for p in prompts:
-        bar.start(f"{len(p)} prompt tokens")
-        seqs.append(list(p) + list(pipe.generate(p, max_tokens=args.continue_tokens).tokens))
-        bar.advance()
-    bar.close()
-    n_held = max(1, round(len(seqs) * args.held_out))
-    if n_held >= len(seqs):
+    n_held = max(1, round(len(prompts) * args.held_out))
+    if n_held >= len(prompts):
         raise TrainHeadError(
-            f"--held-out {args.held_out} of {len(seqs)} sequences leaves none to train on; "
+            f"--held-out {args.held_out} of {len(prompts)} prompts leaves none to train on; "
             "lower it or add prompts"
         )
-    return {"train": seqs[:-n_held], "held_out": seqs[-n_held:]}
+    total = len(prompts) * args.answers
+    bar = specdec.Progress(total, prefix="train-head: the model answers", enabled=show)
+    eos = _eos_ids(pipe.tokenizer)
+    answers: list[list[list[int]]] = [[] for _ in prompts]
+    states: list[list[Any]] = [[] for _ in prompts]
+    for a in range(args.answers):
+        temp = 0.0 if a == 0 else args.sample_temp
+        bar.start(f"answer {a + 1} of {args.answers}" + (f" (temp {temp})" if temp else ""))
+        got = batch_answers(
+            pipe.model,
+            prompts,
+            max_tokens=args.continue_tokens,
+            eos=eos,
+            temperature=temp,
+            seed=args.seed + a,
+            record=args.candidates,
+            on_batch=bar.advance,
+        )
+        if got is not None:
+            got, recorded = got
+        else:  # a model with linear-attention caches: one prompt at a time
+            got, recorded = [], [None] * len(prompts)
+            for p in prompts:
+                res = pipe.generate(
+                    p, max_tokens=args.continue_tokens, temperature=temp, seed=args.seed + a
+                )
+                got.append(list(res.tokens))
+                bar.advance()
+        for i, ans in enumerate(got):
+            answers[i].append(list(prompts[i]) + list(ans))
+            states[i].append(recorded[i])
+    bar.close()
+    train = [s for group in answers[:-n_held] for s in group]
+    held = [s for group in answers[-n_held:] for s in group]
+    data = {"train": train, "held_out": held, "prompts": len(prompts), "held_out_prompts": n_held}
+    # The target's states over the training text, recorded while it wrote it (not saved:
+    # --resume computes them again).
+    return data, [st for group in states[:-n_held] for st in group]
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
@@ -198,6 +284,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     model = pipe.model
     identity = target_identity(model)
     init, start = None, 0
+    data_seconds = 0.0
+    states = None
     if args.resume:
         state = json.loads((out / STATE_FILE).read_text())
         data = json.loads((out / DATA_FILE).read_text())
@@ -215,7 +303,9 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for name in (STATE_FILE, DATA_FILE, SUMMARY_FILE):
             (out / name).unlink(missing_ok=True)
-        data = _make_data(args, pipe, show)
+        t_data = time.perf_counter()
+        data, states = _make_data(args, pipe, show)
+        data_seconds = round(time.perf_counter() - t_data, 1)
         (out / DATA_FILE).write_text(json.dumps(data) + "\n")
 
     def save(step: int, head: Any) -> None:
@@ -243,7 +333,12 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         seed=args.seed,
         init=init,
         start_step=start,
-        soft_top_k=args.soft_top_k or None,
+        batch_size=args.batch_size,
+        loss=args.loss,
+        candidates=args.candidates,
+        negatives=args.negatives,
+        time_limit=None if args.minutes is None else args.minutes * 60.0,
+        states=states,
         held_out=data["held_out"],
         eval_every=args.save_every,
         progress=progress,
@@ -251,13 +346,16 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         checkpoint_every=args.save_every,
     )
     bar.close()
-    save(args.steps, head)
+    save(st["steps"], head)
     summary = {
         "out": str(out),
         "train_sequences": len(data["train"]),
         "held_out_sequences": len(data["held_out"]),
         "train_tokens": sum(len(s) for s in data["train"]),
+        "prompts": data.get("prompts"),
+        "held_out_prompts": data.get("held_out_prompts"),
         "resumed_at": start,
+        "data_seconds": data_seconds,
         **st,
         "seconds": round(time.perf_counter() - t0, 1),
         "target": identity,
@@ -267,7 +365,9 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         f"train-head: {summary['train_sequences']} sequences ({summary['train_tokens']} tokens), "
         f"steps {start + 1}..{st['steps']}: loss {st['first_loss']:.3f} -> {st['last_loss']:.3f}; "
         f"first-draft agreement with the model: {st['top1']:.1%} on the training text, "
-        f"{st['held_out_top1']:.1%} held out; {summary['seconds']} s; head in {out}",
+        f"{st['held_out_top1']:.1%} held out; {summary['seconds']} s"
+        + (" (stopped by --minutes)" if st["stopped_by_time"] else "")
+        + f"; head in {out}",
         file=sys.stderr,
     )
     print(
