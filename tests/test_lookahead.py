@@ -1,5 +1,6 @@
-"""Rounds queued ahead while drafting pauses: plain steps pipelined as in plain decoding,
-undone when a drafter proposes after all; the output never changes."""
+"""Rounds queued ahead while drafting pauses: plain steps pipelined as in plain decoding;
+a drafter that proposes after all gets its block fed on top of the queued step, in its
+transaction; the output never changes."""
 
 from __future__ import annotations
 

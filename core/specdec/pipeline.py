@@ -761,7 +761,8 @@ class Pipeline:
             rnd.acceptor = auto_acceptor(sampler, rnd.q is not None)
         else:
             rnd.acceptor = policy.acceptor
-        rnd.t_launch = time.perf_counter()
+        # An extended round's verify time counts from the queued forward's launch.
+        rnd.t_launch = time.perf_counter() if on is None else on.t_launch
         rnd.txn = plan.begin() if on is None else on.txn
         try:
             vr = self.verifier.verify(self.model, inputs, row.caches)

@@ -13,8 +13,9 @@ class Stats:
         policy: the policy's name.
         prompt_tokens: prompt length in tokens.
         generation_tokens: tokens emitted.
-        target_forwards: target forwards during decoding whose result was used, one per
-            round (prefill excluded; rounds queued ahead and undone are ``lookahead_aborts``).
+        target_forwards: rounds during decoding, each one target forward whose result was
+            used, or two for a block fed on a round queued ahead (``lookahead_extended``);
+            prefill excluded; rounds queued ahead and undone are ``lookahead_aborts``.
         drafted: draft tokens verified.
         accepted: draft tokens accepted.
         rounds_with_draft: rounds that verified a non-empty block.

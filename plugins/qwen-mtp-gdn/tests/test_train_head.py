@@ -180,3 +180,21 @@ def test_training_stops_at_its_time_limit():
     seqs = [[1, 2, 3, 4, 5, 6, 7, 8]] * 2
     _, st = train_mtp_head(model, seqs, steps=10_000, time_limit=0.5, batch_size=1)
     assert st["stopped_by_time"] and 1 <= st["steps"] < 10_000
+
+
+def test_resume_refuses_another_seed_or_batch_size(capsys, tmp_path):
+    out = tmp_path / "head"
+    out.mkdir()
+    state = {"step": 2, "seed": 0, "batch_size": 8}
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Name three colors.\nCount to three.\n")
+    from specdec_qwen_mtp_gdn.cli import DATA_FILE
+    from specdec_qwen_mtp_gdn.mtp import target_identity
+
+    pipe = specdec.assemble(None, policy="none")
+    state["target"] = target_identity(pipe.model)
+    (out / STATE_FILE).write_text(json.dumps(state))
+    (out / DATA_FILE).write_text(json.dumps({"train": [[1, 2, 3]], "held_out": [[1, 2, 3]]}))
+    for flag, value in (("--seed", "1"), ("--batch-size", "4")):
+        code, cap = run(capsys, "train-head", "--out", str(out), "--resume", flag, value)
+        assert code == 2 and f"ran with {flag}" in cap.err, cap.err

@@ -85,7 +85,10 @@ def add_train_head_parser(sub: Any) -> None:
         "--seq-len", type=int, default=128, help="tokens per --text window (default: 128)"
     )
     p.add_argument(
-        "--held-out", type=float, default=0.1, help="fraction of sequences held out (default: 0.1)"
+        "--held-out",
+        type=float,
+        default=0.1,
+        help="fraction of the prompts held out, with all their answers (default: 0.1)",
     )
     p.add_argument(
         "--answers",
@@ -135,7 +138,13 @@ def add_train_head_parser(sub: Any) -> None:
         "--save-every", type=int, default=50, help="checkpoint interval in steps (default: 50)"
     )
     p.add_argument("--resume", action="store_true", help="continue the training saved in --out")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the seed of the initialisation, the minibatch order, the sampled answers and "
+        "the negatives (default: 0)",
+    )
     p.add_argument("--force", action="store_true", help="start afresh in a non-empty --out folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_train_head)
@@ -219,7 +228,7 @@ def _eos_ids(tokenizer: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
-def _make_data(args: argparse.Namespace, pipe: Any, show: bool) -> tuple[dict, list]:
+def _make_data(args: argparse.Namespace, pipe: Any, show: bool) -> tuple[dict, tuple[list, list]]:
     """The model's answers: ``--answers`` per prompt (the first greedy), whole prompts held
     out (their answers are alike, so a held-out answer of a trained prompt would flatter)."""
     from .train import batch_answers
@@ -268,7 +277,10 @@ def _make_data(args: argparse.Namespace, pipe: Any, show: bool) -> tuple[dict, l
     data = {"train": train, "held_out": held, "prompts": len(prompts), "held_out_prompts": n_held}
     # The target's states over the training text, recorded while it wrote it (not saved:
     # --resume computes them again).
-    return data, [st for group in states[:-n_held] for st in group]
+    return data, (
+        [st for group in states[:-n_held] for st in group],
+        [st for group in states[-n_held:] for st in group],
+    )
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
@@ -283,14 +295,29 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     pipe = specdec.assemble(args.model, policy="none")
     model = pipe.model
     identity = target_identity(model)
+    if args.loss == "sampled":
+        from .train import OutputLayer
+
+        if not OutputLayer(model).affine:  # before minutes of answers
+            raise TrainHeadError(
+                "--loss sampled needs an affine output layer and this model's is not (e.g. "
+                "soft-capped logits); use --loss full or auto"
+            )
     init, start = None, 0
     data_seconds = 0.0
-    states = None
+    states = held_states = None
     if args.resume:
         state = json.loads((out / STATE_FILE).read_text())
         data = json.loads((out / DATA_FILE).read_text())
         if state.get("target") != identity:
             raise TrainHeadError(f"--resume: the training in {str(out)!r} is for another model")
+        for key, flag in (("seed", "--seed"), ("batch_size", "--batch-size")):
+            if key in state and state[key] != getattr(args, key):
+                raise TrainHeadError(
+                    f"--resume: the training in {str(out)!r} ran with {flag} {state[key]}; "
+                    f"give the same {flag} to continue its minibatch order"
+                )
+        data_seconds = float(state.get("data_seconds", 0.0))
         import mlx.core as mx
 
         init, _ = load_mtp(model, out, dtype=mx.float32)  # trained on in float32
@@ -304,13 +331,20 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         for name in (STATE_FILE, DATA_FILE, SUMMARY_FILE):
             (out / name).unlink(missing_ok=True)
         t_data = time.perf_counter()
-        data, states = _make_data(args, pipe, show)
+        data, (states, held_states) = _make_data(args, pipe, show)
         data_seconds = round(time.perf_counter() - t_data, 1)
         (out / DATA_FILE).write_text(json.dumps(data) + "\n")
 
     def save(step: int, head: Any) -> None:
         save_hf_checkpoint(out, model, head, trunk=False, extra_config={TARGET_FIELD: identity})
-        state = {"step": step, "target": identity, "lr": args.lr, "seed": args.seed}
+        state = {
+            "step": step,
+            "target": identity,
+            "lr": args.lr,
+            "seed": args.seed,
+            "batch_size": args.batch_size,
+            "data_seconds": data_seconds,
+        }
         (out / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
 
     bar = specdec.Progress(args.steps - start, prefix="train-head: training", enabled=show)
@@ -324,27 +358,31 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         else:
             bar.label = label
 
-    head, st = train_mtp_head(
-        model,
-        data["train"],
-        steps=args.steps,
-        lr=args.lr,
-        layers=args.layers,
-        seed=args.seed,
-        init=init,
-        start_step=start,
-        batch_size=args.batch_size,
-        loss=args.loss,
-        candidates=args.candidates,
-        negatives=args.negatives,
-        time_limit=None if args.minutes is None else args.minutes * 60.0,
-        states=states,
-        held_out=data["held_out"],
-        eval_every=args.save_every,
-        progress=progress,
-        checkpoint=save,
-        checkpoint_every=args.save_every,
-    )
+    try:
+        head, st = train_mtp_head(
+            model,
+            data["train"],
+            steps=args.steps,
+            lr=args.lr,
+            layers=args.layers,
+            seed=args.seed,
+            init=init,
+            start_step=start,
+            batch_size=args.batch_size,
+            loss=args.loss,
+            candidates=args.candidates,
+            negatives=args.negatives,
+            time_limit=None if args.minutes is None else args.minutes * 60.0,
+            states=states,
+            held_out_states=held_states,
+            held_out=data["held_out"],
+            eval_every=args.save_every,
+            progress=progress,
+            checkpoint=save,
+            checkpoint_every=args.save_every,
+        )
+    except ValueError as exc:  # e.g. no sequence long enough to train on
+        raise TrainHeadError(str(exc)) from exc
     bar.close()
     save(st["steps"], head)
     summary = {

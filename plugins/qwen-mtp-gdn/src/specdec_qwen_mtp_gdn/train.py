@@ -194,6 +194,7 @@ def train_mtp_head(
     warmup: int = 20,
     time_limit: float | None = None,
     states: Sequence[States | None] | None = None,
+    held_out_states: Sequence[States | None] | None = None,
     held_out: Sequence[Sequence[int]] = (),
     eval_every: int = 0,
     progress: Callable[[int, int, float, float | None], None] | None = None,
@@ -226,6 +227,7 @@ def train_mtp_head(
             :func:`batch_answers` records them while the model writes its answers), so
             no teacher-forced forward is needed; ``None`` (or a ``None`` entry):
             computed here.
+        held_out_states: the same for ``held_out``.
         held_out: sequences never trained on, for :func:`agreement` (acceptance of the
             first draft) every ``eval_every`` steps and at the end.
         progress: ``progress(step, steps, loss, held_out_agreement_or_None)`` per step.
@@ -270,7 +272,15 @@ def train_mtp_head(
         for i, s in enumerate(sequences)
         if len(s) >= 3
     ]
-    held = [_Example(model, s, 1) for s in held_out if len(s) >= 3]
+    if held_out_states is not None and len(held_out_states) != len(held_out):
+        raise ValueError(
+            f"train_mtp_head: {len(held_out_states)} states for {len(held_out)} held-out sequences"
+        )
+    held = [
+        _Example(model, s, 1, None if held_out_states is None else held_out_states[i])
+        for i, s in enumerate(held_out)
+        if len(s) >= 3
+    ]
     mx.random.seed(seed)
     head = init if init is not None else QwenMTP(model, layers)
     head.train()
