@@ -6,42 +6,25 @@ from __future__ import annotations
 
 import pytest
 import specdec
-from specdec.testing import make_tiny_model, plugin_host
+from specdec.testing import OracleDrafter, make_tiny_model, plugin_host
 from specdec.testing.models import ARCHITECTURES
 
 
-class _Sometimes(specdec.BaseDrafter):
-    """Proposes the reference continuation only at positions in ``at`` (else nothing)."""
-
-    name = "sometimes"
-
-    def __init__(self, reference=(), at=()):
-        self.reference, self.at = list(reference), set(at)
-
-    def session(self, ctx):
-        d = self
-
-        class S(specdec.BaseDrafterSession):
-            def propose(self, history, max_len):
-                n = len(history)
-                if n not in d.at:
-                    return None
-                toks = d.reference[n : n + min(4, max_len)]
-                return specdec.Draft(tokens=toks) if toks else None
-
-        return S()
-
-
-def _run(model, prompt, at, reference, **kw):
-    drafter = _Sometimes(reference, at)
-
-    class P:
-        @specdec.hookimpl
-        def specdec_register_drafters(self, register):
-            register("sometimes", lambda **o: drafter)
-
-    with plugin_host(P(), load_entry_points=False) as host:
-        pipe = specdec.assemble(model, policy={"drafters": ["sometimes"]}, host=host)
+def _run(model, prompt, at, reference, corruption="none", **kw):
+    """Generate with the kit's oracle proposing ``reference`` only at history lengths ``at``."""
+    policy = specdec.Policy(
+        drafters=("oracle",),
+        options={
+            "oracle": {
+                "reference": reference or [0],
+                "at": at,
+                "corruption": corruption,
+                "vocab_size": 64,
+            }
+        },
+    )
+    with plugin_host(load_entry_points=False) as host:
+        pipe = specdec.assemble(model, policy=policy, host=host)
         return pipe.generate(prompt, **kw)
 
 
@@ -59,8 +42,7 @@ def test_paused_drafting_is_pipelined_and_exact(arch):
     assert st.accepted > 0 and st.lookahead_rounds > 10
     assert st.lookahead_extended == 2 and st.lookahead_aborts == 0
     # A block of wrong drafts on the queued round: all rejected, the caches rolled back.
-    wrong = [t if i < n else (t + 1) % 64 for i, t in enumerate(ref)]
-    out = _run(model, prompt, {n + 12, n + 25}, wrong, max_tokens=40)
+    out = _run(model, prompt, {n + 12, n + 25}, ref, corruption="full", max_tokens=40)
     assert out.tokens == plain.tokens
     assert out.stats.lookahead_extended == 2 and out.stats.drafted > 0
     assert out.stats.accepted == 0
@@ -118,10 +100,10 @@ def test_no_lookahead_with_an_on_round_callback():
 def test_no_lookahead_for_drafters_that_read_the_caches():
     model = make_tiny_model("llama", vocab_size=64)
 
-    class Kv(_Sometimes):
+    class Kv(OracleDrafter):
         needs = frozenset({"kv"})
 
-    drafter = Kv()
+    drafter = Kv(reference=[0], at=())
 
     class P:
         @specdec.hookimpl

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -29,6 +29,8 @@ class OracleDrafter(BaseDrafter):
             token is wrong (seeded by ``seed``).
         block: tokens proposed per round (capped by the round's budget).
         vocab_size: for corruption (default: the model's).
+        at: propose only when the history has one of these lengths (``None``: in every
+            round), e.g. to make drafting pause and resume.
     """
 
     name = "oracle"
@@ -42,6 +44,7 @@ class OracleDrafter(BaseDrafter):
         vocab_size: int | None = None,
         seed: int = 0,
         name: str = "oracle",
+        at: Collection[int] | None = None,
     ):
         if model is None and reference is None:
             raise ValueError("OracleDrafter needs 'model' or 'reference'")
@@ -58,6 +61,7 @@ class OracleDrafter(BaseDrafter):
             vocab_size = model.args.vocab_size
         self.vocab_size = vocab_size or (max(self.reference or [0]) + 2)
         self.seed = seed
+        self.at = None if at is None else frozenset(int(n) for n in at)
 
     def continuation(self, history: Sequence[int], n: int) -> list[int]:
         """The target's greedy continuation of ``history`` (``n`` tokens), or the reference's."""
@@ -108,7 +112,7 @@ class OracleSession(BaseDrafterSession):
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
         """The (corrupted) greedy continuation of ``history``, at most ``min(block, max_len)`` tokens."""
         n = min(self.drafter.block, max_len)
-        if n < 1:
+        if n < 1 or (self.drafter.at is not None and len(history) not in self.drafter.at):
             return None
         toks = self._corrupt(self.drafter.continuation(history, n))
         if not toks:

@@ -192,51 +192,36 @@ def test_hybrid_draft_model_rolls_back_its_own_gdn_state(arch):
     assert totals["drafted"] > 0 and totals["accepted"] == totals["drafted"]
 
 
-class _Resumes(specdec.BaseDrafter):
-    """Proposes ``reference[n : n + 4]`` only when the history has a length in ``at``:
-    drafting pauses in between, so the core queues rounds ahead and feeds the block on
-    top of the queued forward (one transaction over two forwards)."""
-
-    def __init__(self, reference, at):
-        self.reference, self.at = list(reference), set(at)
-
-    def session(self, ctx):
-        d = self
-
-        class S(specdec.BaseDrafterSession):
-            def propose(self, history, max_len):
-                n = len(history)
-                toks = d.reference[n : n + min(4, max_len)] if n in d.at else []
-                return specdec.Draft(tokens=toks) if toks else None
-
-        return S()
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_block_fed_on_a_round_queued_ahead_rolls_back_exactly(arch, strategy):
     model = copy_model(arch)
     prompt = list(copy_prompt(arch))
     plain = specdec.assemble(model, policy="none").generate(prompt, max_tokens=40).tokens
     n = len(prompt)
-    right = prompt + plain
-    vocab = specdec.model_vocab_size(model)
-    wrong = [t if i < n else (t + 1) % vocab for i, t in enumerate(right)]
-    pol = with_strategy(specdec.Policy(name="resumes", drafters=("resumes",)), strategy)
-    for ref, accepted in ((right, True), (wrong, False)):
-        out = _generate_with(_Resumes(ref, {n + 12, n + 25}), model, pol, prompt)
+    # The kit's oracle proposes only at two history lengths: drafting pauses, the core
+    # queues rounds ahead and feeds each block on top of the queued forward (one
+    # transaction over two forwards).
+    from specdec_qwen_mtp_gdn import plugin as gdn_plugin
+
+    for corruption, accepted in (("none", True), ("full", False)):
+        pol = with_strategy(
+            specdec.Policy(
+                name="resumes",
+                drafters=("oracle",),
+                options={
+                    "oracle": {
+                        "reference": prompt + plain,
+                        "at": [n + 12, n + 25],
+                        "corruption": corruption,
+                        "vocab_size": specdec.model_vocab_size(model),
+                    }
+                },
+            ),
+            strategy,
+        )
+        with plugin_host(gdn_plugin, load_entry_points=False) as host:
+            out = specdec.assemble(model, policy=pol, host=host).generate(prompt, max_tokens=40)
         assert out.tokens == plain
         st = out.stats
         assert st.lookahead_extended == 2 and st.drafted > 0
         assert (st.accepted > 0) is accepted  # every wrong draft rejected, rolled back
-
-
-def _generate_with(drafter, model, pol, prompt):
-    from specdec_qwen_mtp_gdn import plugin as gdn_plugin
-
-    class P:
-        @specdec.hookimpl
-        def specdec_register_drafters(self, register):
-            register("resumes", lambda **o: drafter)
-
-    with plugin_host(P(), gdn_plugin, load_entry_points=False) as host:
-        return specdec.assemble(model, policy=pol, host=host).generate(prompt, max_tokens=40)
