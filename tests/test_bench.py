@@ -829,3 +829,65 @@ def test_cli_same_policy_twice_is_an_error(capsys, byte_model):
         capsys, "bench", "--model", str(byte_model), "--policy", "copy", "--policy", "copy"
     )
     assert rc != 0 and "more than once" in err
+
+
+# -- the exactness audit -----------------------------------------------------------
+
+
+def test_first_divergence_names_the_position_and_the_plain_gap():
+    from specdec.bench.runner import first_divergence
+    from specdec.testing import make_tiny_model, plain_greedy
+
+    model = make_tiny_model("llama")
+    prompt = [3, 17, 42, 9, 28, 5]
+    ref = plain_greedy(model, prompt, 8)
+    assert first_divergence(model, prompt, ref, list(ref)) is None
+    got = ref[:4] + [(ref[4] + 1) % 64] + ref[5:]
+    d = first_divergence(model, prompt, ref, got)
+    assert d["position"] == 4 and d["plain_token"] == ref[4] and d["got_token"] == got[4]
+    import mlx.core as mx
+
+    logits = model(mx.array(prompt + ref[:4])[None])[0, -1]
+    top = sorted(logits.tolist())[-2:]
+    assert (
+        d["plain_top2_gap"] == pytest.approx(top[1] - top[0], abs=1e-5) and d["plain_top2_gap"] > 0
+    )
+    # an output that stopped early diverges where it ended
+    short = first_divergence(model, prompt, ref, ref[:6])
+    assert short["position"] == 6 and short["got_token"] is None
+
+
+def test_cli_dtype_reports_every_greedy_run(capsys, byte_model, tmp_path):
+    details = tmp_path / "d.json"
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--model",
+        str(byte_model),
+        "--runs",
+        "2",
+        "--max-tokens",
+        "6",
+        "-w",
+        "prose",
+        "--dtype",
+        "bfloat16",
+        "--no-progress",
+        "--details",
+        str(details),
+    )
+    assert rc == 0, err
+    assert "cast to bfloat16" in err
+    assert "| workload | policy | runs matching plain | first divergence" in out
+    row = next(line for line in out.splitlines() if line.startswith("| prose | copy |"))
+    d = json.loads(details.read_text())
+    assert d["dtype"] == "bfloat16"
+    divs = d["results"][0]["divergences"]
+    assert f"| {3 - len(divs)}/3 |" in row  # one more off run and two on runs
+    for x in divs:
+        assert x["position"] >= 0 and x["kind"] in ("off", "on")
+
+
+def test_cli_dtype_choices(capsys, no_model_loading, byte_model):
+    rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), "--dtype", "int8")
+    assert rc == 2 and "--dtype" in err and "bfloat16" in err

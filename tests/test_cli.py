@@ -628,6 +628,49 @@ def test_doctor_model_prints_the_verify_cost_curve(capsys, tiny_model, tmp_path,
     assert rc == 0 and json.loads(out)["verify_cost"]["source"] == "profiled"
 
 
+def test_doctor_model_builds_the_named_draft_heads(capsys, tiny_model, tmp_path, monkeypatch):
+    from specdec.costs import CostModel
+
+    monkeypatch.setattr(CostModel, "_memory", {})
+    monkeypatch.setattr("specdec.costs.cache_dir", lambda: tmp_path)
+    rc, out, err = run_cli(
+        capsys, "doctor", "--model", str(tiny_model), "--head", "exact", "--json"
+    )
+    assert rc == 0, err
+    (h,) = json.loads(out)["heads"]
+    assert h["head"] == "exact" and h["options"] == {} and h["stats"]["kind"] == "exact"
+    rc, out, _ = run_cli(capsys, "doctor", "--model", str(tiny_model), "--head", "exact")
+    assert rc == 0 and "draft head exact (defaults) for" in out and "kind: exact" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--head", "exact"], "--head needs --model"),
+        (["--model", "/no/such", "--head", "exact:kind"], "'kind' is not OPTION=VALUE"),
+        (["--model", "/no/such", "--head", ":a=1"], "no head name"),
+    ],
+)
+def test_doctor_head_errors_before_model_work(capsys, args, needle):
+    rc, _, err = run_cli(capsys, "doctor", *args)
+    assert rc != 0 and needle in err
+
+
+def test_doctor_unknown_head_is_named(capsys, tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr("specdec.costs.cache_dir", lambda: tmp_path)
+    rc, _, err = run_cli(capsys, "doctor", "--model", str(tiny_model), "--head", "nope")
+    assert rc != 0 and "'nope'" in err and "exact" in err
+
+
+def test_parse_head_spec_values():
+    from specdec.cli.info import parse_head_spec
+
+    assert parse_head_spec("coarse_head:kind=pruned, keep=8192,context_tokens=false,x=0.5") == (
+        "coarse_head",
+        {"kind": "pruned", "keep": 8192, "context_tokens": False, "x": 0.5},
+    )
+
+
 def test_doctor_reprofile_needs_a_model(capsys):
     rc, _, err = run_cli(capsys, "doctor", "--reprofile")
     assert rc != 0 and "--reprofile needs --model" in err

@@ -46,10 +46,11 @@ from .errors import (
     SpecdecError,
     UnknownComponentError,
 )
-from .heads import ExactHead, model_vocab_size
+from .heads import ExactHead, OutputLayer, model_vocab_size, output_layer
 from .hookspecs import hookimpl
 from .kvview import KVView, kv_view, kv_views
 from .loading import model_source, set_model_source
+from .paths import cache_dir
 from .pipeline import GenerationResult, Pipeline, StreamResponse, assemble
 from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host
 from .policy import PRESETS, Policy, load_policy
@@ -89,7 +90,7 @@ from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.3"
+__version__ = "0.2.4"
 
 __all__ = [
     "CAPABILITIES",
@@ -118,6 +119,7 @@ __all__ = [
     "LayerTransaction",
     "LogitsVerifier",
     "ModelTaps",
+    "OutputLayer",
     "PrefillChunk",
     "RollbackPlan",
     "RollbackUnavailable",
@@ -145,6 +147,7 @@ __all__ = [
     "VerifyResult",
     "assemble",
     "best_block",
+    "cache_dir",
     "get_plugin_host",
     "get_plugin_manager",
     "hookimpl",
@@ -155,6 +158,7 @@ __all__ = [
     "model_taps",
     "model_vocab_size",
     "options",
+    "output_layer",
     "profile_verify_cost",
     "reset_plugin_host",
     "rollback_plan",

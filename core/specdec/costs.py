@@ -45,6 +45,7 @@ import attrs
 import mlx.core as mx
 
 from .heads import model_vocab_size
+from .paths import cache_dir
 from .progress import Progress
 
 __all__ = [
@@ -67,12 +68,6 @@ DEFAULT_CONTEXTS: tuple[int, ...] = (128, 1024)
 #: The longest context a refresh profiles.
 MAX_PROFILE_CONTEXT = 8192
 _FORMAT = 1
-
-
-def cache_dir() -> Path:
-    """specdec's cache folder: ``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``."""
-    env = os.environ.get("SPECDEC_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdec"
 
 
 @attrs.frozen

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import PolicyError
 
-__all__ = ["bool_option", "fraction_option", "int_option", "reject_unknown"]
+__all__ = ["bool_option", "fraction_option", "int_option", "parse_value", "reject_unknown"]
 
 
 def reject_unknown(component: str, options: dict, accepted: Iterable[str]) -> None:
@@ -52,3 +52,17 @@ def bool_option(component: str, label: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise PolicyError(f"{component}: option {label} must be true or false, got {value!r}")
     return value
+
+
+def parse_value(text: str) -> Any:
+    """An option value written on a command line: an int, a float, ``true``/``false``
+    (any case), else the string (stripped)."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text.strip()

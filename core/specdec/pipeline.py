@@ -299,7 +299,7 @@ class Pipeline:
         for d in self.drafters:
             head_name = getattr(d, "head", None)
             if head_name:
-                self.heads[d.name] = self._head(d.name, head_name)
+                self.heads[d.name] = self._head(d, head_name)
         self._acceptors: dict[str, Any] = {}
         if policy.acceptor != AUTO:
             self._acceptors[policy.acceptor] = h.create(
@@ -331,12 +331,20 @@ class Pipeline:
                 self.cost_model.progress = progress
             self.cost_model.curve()
 
-    def _head(self, drafter: str, name: str) -> Any:
+    def _head(self, d: Any, name: str) -> Any:
+        drafter = d.name
         try:
             self.host.get("draft_head", name)
         except UnknownComponentError as exc:
             raise PolicyError(f"drafter {drafter!r}: option head: {exc}") from exc
-        head = self.host.draft_head(name, self.policy.options_for(name), self.model)
+        # A drafter with a model of its own (a draft model) names it as head_model: the
+        # head reads that model's output layer; else the target's.
+        model = getattr(d, "head_model", None)
+        own = model is not None
+        if not own:
+            model = self.model
+        tokenizer = getattr(d, "head_tokenizer", None) if own else self.tokenizer
+        head = self.host.draft_head(name, self.policy.options_for(name), model, tokenizer)
         tv, hv = model_vocab_size(self.model), getattr(head, "vocab_size", None)
         if tv is not None and hv is not None and int(hv) != tv:
             raise ModelLoadError(

@@ -298,9 +298,10 @@ class PluginHost:
                 ) from exc
         return info.factory(**options)
 
-    def draft_head(self, name: str, options: dict | None, model: Any) -> Any:
-        """The draft head ``name`` with ``options`` for ``model``: built and bound once,
-        then shared by every drafter (and pipeline) that names it.
+    def draft_head(self, name: str, options: dict | None, model: Any, tokenizer: Any = None) -> Any:
+        """The draft head ``name`` with ``options`` for ``model``: built and bound once
+        (``bind(model, tokenizer=tokenizer)`` where its ``bind`` takes a tokenizer), then
+        shared by every drafter (and pipeline) that names it.
 
         Raises:
             UnknownComponentError: ``name`` is not an installed draft head.
@@ -315,10 +316,9 @@ class PluginHost:
         per_model = entry[1]
         head = per_model.get(key)
         if head is None:
-            head = self.create("draft_head", name, options)
-            bind = getattr(head, "bind", None)
-            if bind is not None:
-                bind(model)
+            from .heads import bind_head
+
+            head = bind_head(self.create("draft_head", name, options), model, tokenizer)
             per_model[key] = head
         return head
 

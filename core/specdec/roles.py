@@ -350,13 +350,17 @@ class DraftHead(Protocol):
     name: str
     vocab_size: int
 
-    def bind(self, model: Any) -> None:
-        """Prepare for ``model`` (read its output layer, build a coarse copy, ...)."""
+    def bind(self, model: Any, tokenizer: Any = None) -> None:
+        """Prepare for ``model`` (read its output layer, build a coarse copy, ...).
 
-    def logits(self, hidden: mx.array) -> mx.array:
+        ``tokenizer`` (may be ``None``) is passed only when ``bind`` has that parameter.
+        """
+
+    def logits(self, hidden: mx.array, context: Sequence[int] | None = None) -> mx.array:
         """Draft logits ``[n, vocab]`` (float32) for hidden states ``[n, hidden]``.
 
-        A head that scores only some candidates returns ``-inf`` elsewhere, so the
+        ``context``: the request's tokens so far (drafters pass their ``history``). A
+        head that scores only some candidates returns ``-inf`` elsewhere, so the
         sampler's probabilities are ``q`` over the candidates (zero elsewhere).
         """
 

@@ -23,6 +23,7 @@ from .plot import MATPLOTLIB_MISSING, matplotlib_available, plot_results
 from .progress import Progress
 from .runner import (
     BASELINES,
+    exactness_table,
     rounds_table,
     run_bench,
     spec_baseline_table,
@@ -35,6 +36,10 @@ DEFAULT_RUNS = 3
 DEFAULT_MAX_TOKENS = 300
 DEFAULT_SEED = 0
 DEFAULT_POLICY = "copy"
+
+
+#: What ``--dtype`` casts to.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_bench_parser(sub: Any, func: Any) -> None:
@@ -139,6 +144,14 @@ def add_bench_parser(sub: Any, func: Any) -> None:
         default=None,
         metavar="FILE.json",
         help="write everything measured (every run, outputs, faithfulness, baseline) to a JSON file",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="cast the model's weights to this dtype before measuring (default: as loaded); "
+        "the exactness table then reports, for every greedy run, whether it matched plain "
+        "decoding and, where not, the position and the gap between the top two plain logits",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=func)
@@ -309,6 +322,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise
     except (OSError, ValueError) as exc:  # pragma: no cover - load_model wraps these
         raise CliError(f"cannot load model {model_spec!r}: {exc}") from exc
+    if args.dtype is not None:
+        import mlx.core as mx
+
+        model.set_dtype(getattr(mx, args.dtype))
 
     progress = Progress(
         total_steps(
@@ -325,6 +342,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(
         f"specdec bench: model {model_spec}"
         + (f" (random weights, seed {args.seed})" if args.random_weights else "")
+        + (f" cast to {args.dtype}" if args.dtype else "")
         + f", policy {measured} vs none, "
         f"{args.runs} run(s) each, {args.max_tokens} tokens, temp {', '.join(f'{t:g}' for t in temps)}, "
         f"seed {args.seed}" + (f", baseline {args.baseline}" if args.baseline else ""),
@@ -351,6 +369,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if swept is not None:
         _warn_unused_rollback(swept, results)
     table = format_table(results, baseline=args.baseline)
+    exact = exactness_table(results, always=args.dtype is not None)
+    if exact:
+        table += "\n\n" + exact
     if args.json:
         print_json([r.record() for r in results])
         _emit(table, sys.stderr)
@@ -366,6 +387,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "max_tokens": args.max_tokens,
             "seed": args.seed,
             "baseline": args.baseline,
+            "dtype": args.dtype,
             "results": [r.details(with_output=True) for r in results],
         }
         with open(args.details, "w", encoding="utf-8") as fh:

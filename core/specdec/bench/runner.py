@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 
 from ..errors import RequestError
+from ..options import parse_value
 from ..pipeline import Pipeline, assemble
 from ..policy import Policy, load_policy
 from ..sampling import validate_request
@@ -151,6 +152,40 @@ class RunSample:
         return d
 
 
+def first_divergence(
+    model: Any, prompt_ids: Sequence[int], ref: Sequence[int], got: Sequence[int]
+) -> dict | None:
+    """Where greedy output ``got`` first differs from the plain output ``ref``, and how
+    close plain decoding was to a tie there; ``None`` when they are the same.
+
+    Returns ``{"position", "plain_token", "got_token", "plain_top2_gap"}``: the
+    generated-token index, the two tokens (``None`` past an output's end), and the gap
+    between the two largest plain logits at that position, from one forward of the
+    model over the prompt and the plain output before it (``None`` when the plain
+    output had ended). A gap near 0 is a near-tie that another forward width may round
+    the other way in reduced precision; a large gap is a bug.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ref, got = list(ref), list(got)
+    if ref == got:
+        return None
+    p = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    gap = None
+    if p < len(ref):
+        seq = list(prompt_ids) + ref[:p]
+        logits = model(mx.array(seq)[None], cache=make_prompt_cache(model))[0, -1]
+        top = mx.sort(logits.astype(mx.float32))[-2:]
+        gap = round(float(top[1] - top[0]), 6)
+    return {
+        "position": p,
+        "plain_token": ref[p] if p < len(ref) else None,
+        "got_token": got[p] if p < len(got) else None,
+        "plain_top2_gap": gap,
+    }
+
+
 def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
@@ -172,6 +207,9 @@ class WorkloadResult:
     spec_baseline: list = attrs.field(factory=list)
     spec_baseline_name: str | None = None
     spec_draft_tokens: int | None = None
+    #: Greedy runs whose tokens differ from the first ``off`` run: one
+    #: :func:`first_divergence` dict each, with ``kind`` and ``run`` added.
+    divergences: list = attrs.field(factory=list)
 
     @property
     def off_tps(self) -> float:
@@ -298,6 +336,7 @@ class WorkloadResult:
                 1e3 * _median([s.loop_overhead_s or 0.0 for s in self.on]), 3
             ),
             rollbacks=self.on[0].rollbacks if self.on else [],
+            divergences=list(self.divergences),
             on_forwards=_median([s.target_forwards or 0 for s in self.on]),
             on_rounds_without_draft=_median([s.rounds_without_draft or 0 for s in self.on]),
             on_suspended_tokens=_median([s.suspended_tokens or 0 for s in self.on]),
@@ -455,19 +494,6 @@ def _draft_model_pair(pipe: Pipeline, policy: Policy) -> tuple[Any, int] | None:
     return draft, n
 
 
-def _parse_value(text: str) -> Any:
-    """An option value from the command line: int, float, true/false, else the string."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text.strip()
-
-
 def parse_sweep(spec: str) -> tuple[str, str, list]:
     """Parse ``COMPONENT.OPTION=V1,V2,...`` into ``(component, option, values)``.
 
@@ -487,7 +513,7 @@ def parse_sweep(spec: str) -> tuple[str, str, list]:
         raise RequestError(f"bad sweep {spec!r}: empty value; {form}")
     if len(set(texts)) != len(texts):
         raise RequestError(f"bad sweep {spec!r}: a value is given twice")
-    return component, option, [_parse_value(v) for v in texts]
+    return component, option, [parse_value(v) for v in texts]
 
 
 def sweep_policies(policy: Policy | str, spec: str) -> list[Policy]:
@@ -711,6 +737,15 @@ def run_bench(
                         per_kind[kind].on.append(sample)
                     if progress is not None:
                         progress.advance()
+            if temp == 0 and off:  # the exactness audit: every greedy run vs plain
+                ref = off[0].tokens
+                for res in per_kind.values():
+                    runs_of = [("off", i, r) for i, r in enumerate(off[1:], 1)]
+                    runs_of += [("on", i, r) for i, r in enumerate(res.on)]
+                    for kind, i, r in runs_of:
+                        d = first_divergence(model, ids, ref, r.tokens)
+                        if d is not None:
+                            res.divergences.append({"kind": kind, "run": i, **d})
             faith = None
             if score_faithfulness and off:
                 ref = off[0]
@@ -742,6 +777,30 @@ def spec_baseline_table(results: Sequence[WorkloadResult]) -> str:
             f"| {res.workload} | {res.temp:g} | {res.policy} | {res.spec_draft_tokens} "
             f"| {d['on_step_tps']:.1f} | {d['spec_baseline_tps']:.1f} "
             f"| {d['on_vs_spec_baseline']:.2f}x | {'yes' if same else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def exactness_table(results: Sequence[WorkloadResult], *, always: bool = False) -> str:
+    """Per greedy workload and policy: how many runs matched plain decoding, and each
+    divergence's position and plain top-two logit gap ("" when every run matched and
+    not ``always``)."""
+    greedy = [r for r in results if r.temp == 0]
+    if not greedy or (not always and not any(r.divergences for r in greedy)):
+        return ""
+    lines = [
+        "| workload | policy | runs matching plain | first divergence (run: position, plain top-2 logit gap) |",
+        "|---|---|---|---|",
+    ]
+    for r in greedy:
+        n = len(r.off) - 1 + len(r.on)
+        where = "; ".join(
+            f"{d['kind']} {d['run']}: token {d['position']}, gap "
+            + ("n/a" if d["plain_top2_gap"] is None else f"{d['plain_top2_gap']:.4g}")
+            for d in r.divergences
+        )
+        lines.append(
+            f"| {r.workload} | {r.policy} | {n - len(r.divergences)}/{n} | {where or '-'} |"
         )
     return "\n".join(lines)
 

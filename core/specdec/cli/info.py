@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from .. import blas
+from ..options import parse_value
 from .common import EXIT_OK, CliError, fmt, print_json
 
 __all__ = [
@@ -90,7 +91,67 @@ def add_doctor_parser(sub: Any) -> None:
         action="store_true",
         help="with --model: profile the curve again, replacing the cached one",
     )
+    p.add_argument(
+        "--head",
+        action="append",
+        default=None,
+        metavar="NAME[:OPTION=VALUE,...]",
+        help="with --model: build draft head NAME for MODEL (with these options, e.g. "
+        "coarse_head:kind=auto,keep=16384) and print what it reports (for coarse_head: "
+        "what it chose and the timings behind the choice, extra memory, build time); "
+        "repeatable",
+    )
     p.set_defaults(func=cmd_doctor)
+
+
+def fmt_value(v: Any) -> str:
+    """A stats value on one line (dicts and lists as compact JSON)."""
+    import json
+
+    if isinstance(v, (dict, list, tuple)):
+        return json.dumps(v, separators=(", ", ": "), default=str)
+    return str(v)
+
+
+def parse_head_spec(spec: str) -> tuple[str, dict]:
+    """``NAME[:OPTION=VALUE,...]`` -> ``(name, options)``.
+
+    Raises:
+        CliError: an option without ``=``.
+    """
+    name, _, rest = spec.partition(":")
+    options: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise CliError(
+                f"--head {spec!r}: {part!r} is not OPTION=VALUE "
+                "(write NAME or NAME:OPTION=VALUE,OPTION=VALUE)"
+            )
+        options[key.strip()] = parse_value(value)
+    if not name.strip():
+        raise CliError(f"--head {spec!r}: no head name (write NAME[:OPTION=VALUE,...])")
+    return name.strip(), options
+
+
+def head_report(model: Any, tokenizer: Any, specs: list[str]) -> list[dict]:
+    """Build each draft head of ``specs`` for ``model`` and collect its ``stats()``.
+
+    Raises:
+        CliError: a malformed spec; PolicyError: an unknown head or bad options.
+    """
+    import specdec
+
+    host = specdec.get_plugin_host()
+    parsed = [parse_head_spec(s) for s in specs]
+    for name, _ in parsed:  # every name checked before any head is built
+        host.get("draft_head", name)
+    out = []
+    for name, options in parsed:
+        head = host.draft_head(name, options, model, tokenizer)
+        stats = head.stats() if hasattr(head, "stats") else {}
+        out.append({"head": name, "options": options, "stats": stats})
+    return out
 
 
 def _dist_version(name: str) -> str | None:
@@ -195,10 +256,7 @@ def format_doctor(r: dict) -> str:
     return "\n".join(lines)
 
 
-def verify_cost_report(model_spec: str, *, reprofile: bool = False) -> dict:
-    """The verify cost curve of ``model_spec`` on this device, as ``specdec doctor --model`` shows it."""
-    import specdec
-    from specdec.costs import CostModel
+def _load_doctor_model(model_spec: str) -> tuple[str, Any, Any]:
     from specdec.loading import check_model_path, load_model
 
     from .common import check_model_spec, default_model
@@ -208,7 +266,20 @@ def verify_cost_report(model_spec: str, *, reprofile: bool = False) -> dict:
     else:
         path = check_model_spec(model_spec, "--model")
     check_model_path(path)
-    model, _ = load_model(path)
+    model, tokenizer = load_model(path)
+    return path, model, tokenizer
+
+
+def verify_cost_report(
+    model_spec: str, *, reprofile: bool = False, loaded: tuple | None = None
+) -> dict:
+    """The verify cost curve of ``model_spec`` on this device, as ``specdec doctor --model`` shows it.
+
+    ``loaded``: ``(path, model, tokenizer)`` already loaded for ``model_spec``."""
+    import specdec
+    from specdec.costs import CostModel
+
+    path, model, _ = loaded or _load_doctor_model(model_spec)
     cm = CostModel(model, specdec.LogitsVerifier())
     if reprofile:
         CostModel._memory.pop(cm._fingerprint, None)
@@ -227,9 +298,18 @@ def verify_cost_report(model_spec: str, *, reprofile: bool = False) -> dict:
 def cmd_doctor(args: argparse.Namespace) -> int:
     if args.reprofile and not args.model:
         raise CliError("--reprofile needs --model")
+    if args.head and not args.model:
+        raise CliError("--head needs --model (the model to build the head for)")
+    for spec in args.head or ():
+        parse_head_spec(spec)  # malformed specs fail before any model work
     report = doctor_report()
     if args.model:
-        report["verify_cost"] = verify_cost_report(args.model, reprofile=args.reprofile)
+        loaded = _load_doctor_model(args.model)
+        report["verify_cost"] = verify_cost_report(
+            args.model, reprofile=args.reprofile, loaded=loaded
+        )
+        if args.head:
+            report["heads"] = head_report(loaded[1], loaded[2], args.head)
     if args.json:
         print_json(report)
         return EXIT_OK
@@ -242,4 +322,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             "drafted), relative to one decode step at the same context\n" + vc["table"],
             flush=True,
         )
+    for h in report.get("heads", ()):
+        opts = ", ".join(f"{k}={v}" for k, v in h["options"].items()) or "defaults"
+        lines = [f"\ndraft head {h['head']} ({opts}) for {vc['model']}:"]
+        lines += [f"  {k}: {fmt_value(v)}" for k, v in h["stats"].items()]
+        print("\n".join(lines), flush=True)
     return EXIT_OK

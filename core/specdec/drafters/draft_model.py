@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..capture import model_taps
 from ..errors import ModelLoadError, PolicyError
 from ..heads import model_vocab_size
 from ..roles import (
@@ -40,11 +41,14 @@ class DraftModelDrafter(BaseDrafter):
     Args:
         model: an mlx-lm model object, or a path / Hub id to load.
         num_draft_tokens: tokens drafted per round (capped by the round's budget).
+        head: a draft head name (``None``: the draft model's own output path). The head
+            is bound to the draft model (its output layer, its tokenizer), e.g.
+            ``coarse_head`` to score the draft model's vocabulary cheaply.
     """
 
     name = "draft_model"
 
-    def __init__(self, model: Any = None, num_draft_tokens: int = 4):
+    def __init__(self, model: Any = None, num_draft_tokens: int = 4, head: str | None = None):
         if model is None:
             raise PolicyError(
                 "drafter 'draft_model' needs option 'model' (a path, Hub id or mlx-lm model); "
@@ -65,6 +69,12 @@ class DraftModelDrafter(BaseDrafter):
         else:
             self.model, self.tokenizer = model, None
         self.num_draft_tokens = num_draft_tokens
+        if head is not None and (not isinstance(head, str) or not head):
+            raise PolicyError(f"draft_model option head must be a draft head name, got {head!r}")
+        self.head = head
+        #: The head (if any) reads the draft model's output layer, not the target's.
+        self.head_model = self.model if head is not None else None
+        self.head_tokenizer = self.tokenizer
 
     def attach(self, target: Any, tokenizer: Any) -> None:
         """Refuse a draft model whose vocabulary differs from the target's."""
@@ -100,6 +110,8 @@ class DraftModelSession(BaseDrafterSession):
         self.model = drafter.model
         self.num_draft_tokens = drafter.num_draft_tokens
         self.sampler = ctx.sampler
+        self.head = ctx.head
+        self.backbone = model_taps(self.model).backbone if self.head is not None else None
         self.cache = make_prompt_cache(self.model)
         self.plan = rollback_plan(self.cache, model=self.model, host=ctx.host)
         if not self.plan.ok:
@@ -139,7 +151,11 @@ class DraftModelSession(BaseDrafterSession):
             pos = len(history)
             greedy = self.sampler.is_greedy
             for i in range(n):
-                logits = self.model(y[None], cache=self.cache)[0, -1:].astype(mx.float32)
+                if self.head is None:
+                    logits = self.model(y[None], cache=self.cache)[0, -1:].astype(mx.float32)
+                else:  # the backbone's last state through the named head
+                    h = self.backbone(y[None], cache=self.cache)[0, -1:]
+                    logits = self.head.logits(h, context=history)
                 if greedy:
                     y = mx.argmax(logits, axis=-1)
                 else:
@@ -179,4 +195,7 @@ class DraftModelSession(BaseDrafterSession):
 
     def stats(self) -> dict:
         """Rounds drafted and the tokens drafted per round."""
-        return {"draft_rounds": self.rounds, "num_draft_tokens": self.num_draft_tokens}
+        out = {"draft_rounds": self.rounds, "num_draft_tokens": self.num_draft_tokens}
+        if self.head is not None:
+            out["head"] = getattr(self.head, "name", None)
+        return out

