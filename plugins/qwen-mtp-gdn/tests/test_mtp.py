@@ -136,6 +136,27 @@ def test_weights_of_another_model_or_layer_count_are_refused(tmp_path):
         load_mtp(small, tmp_path / "two")
 
 
+def test_a_trained_head_loads_for_its_model_in_another_precision(tmp_path):
+    from specdec_qwen_mtp_gdn.mtp import TARGET_FIELD, target_identity
+
+    model = tiny("qwen3_5")
+    folder = save_hf_checkpoint(
+        tmp_path / "head",
+        model,
+        QwenMTP(model, 1),
+        extra_config={TARGET_FIELD: target_identity(model)},
+    )
+    for dt in (mx.bfloat16, mx.float16):
+        cast, _ = mlx_load_model(folder)  # the same weights (a fresh copy), then cast
+        cast.set_dtype(dt)
+        assert target_identity(cast)["embed_sha256"] != target_identity(model)["embed_sha256"]
+        _, info = load_mtp(cast, folder)  # the rounded hash of the embeddings matches
+        assert info["trained_by_specdec"]
+    other = make_tiny_hybrid("qwen3_5", mixing=0.2, seed=5)
+    with pytest.raises(MTPLoadError, match="trained for another model.*embed_sha256"):
+        load_mtp(other, folder)
+
+
 def test_options_are_checked_before_any_model_work():
     assert set(DEFAULTS) >= {"mtp_path", "depth", "max_depth", "adaptive", "head"}
     with pytest.raises(specdec.PolicyError, match="unknown option.*accepted options"):
@@ -244,6 +265,22 @@ def test_composition_copies_on_a_match_and_uses_the_head_otherwise(trained):
     assert per["qwen_mtp"]["rounds"] > 0 and per["qwen_mtp"]["accepted"] > 0  # where no match
     # The head's cache keeps up through the rounds ngram_copy drafted: no gaps.
     assert per["qwen_mtp"]["hidden_gaps"] == 0
+
+
+@pytest.mark.parametrize("kind", ["quant", "pruned"])
+def test_the_head_drafts_through_the_coarse_head_exactly(trained, kind):
+    """specdec-plugin-coarse-head (this plugin's test extra) as the head option."""
+    model, _, seqs = trained("qwen3_5")
+    pol = MTP.with_options("qwen_mtp", head="coarse_head").with_options(
+        "coarse_head", kind=kind, candidates=8, keep=16, group_size=32
+    )
+    totals = check_greedy_identity(model, pol, seqs[0][:8], max_tokens_list=(1, 9, 30))
+    assert totals["accepted"] > 0
+    out = specdec.assemble(model, policy=pol).generate(seqs[0][:8], max_tokens=30)
+    st = out.stats.draft_heads["coarse_head"]
+    assert st["chosen"] == kind and st["calls"] > 0
+    assert out.stats.per_drafter["qwen_mtp"]["position_acceptance"][0] > 0.5
+    check_sampled_distribution(model, pol, seqs[1][:8], max_tokens=2, n_samples=800)
 
 
 def test_depth_adapts_and_stays_exact(trained):

@@ -299,6 +299,14 @@ def target_identity(model: Any) -> dict:
     w = emb.weight if not hasattr(emb, "scales") else emb.scales
     rows = w[:: max(1, w.shape[0] // 4096)]  # up to ~4k rows: cheap for any vocabulary
     h = hashlib.sha256(np.asarray(rows.astype(mx.float32)).tobytes()).hexdigest()[:24]
+    # The same table rounded to bfloat16 and to float16: equal for the model cast to
+    # that precision (or loaded in it).
+    rounded = {
+        name: hashlib.sha256(np.asarray(rows.astype(dt).astype(mx.float32)).tobytes()).hexdigest()[
+            :24
+        ]
+        for name, dt in (("embed_sha256_bf16", mx.bfloat16), ("embed_sha256_f16", mx.float16))
+    }
     args = lm.args
     return {
         "model_type": getattr(model, "model_type", None),
@@ -306,6 +314,7 @@ def target_identity(model: Any) -> dict:
         "vocab_size": int(args.vocab_size),
         "num_hidden_layers": int(args.num_hidden_layers),
         "embed_sha256": h,
+        **rounded,
     }
 
 
@@ -331,6 +340,10 @@ def load_mtp(
     if isinstance(trained_for, dict):
         mine = target_identity(target)
         diff = sorted(k for k, v in trained_for.items() if mine.get(k) != v)
+        hashes = [k for k in trained_for if k.startswith("embed_sha256")]
+        if any(mine.get(k) == trained_for[k] for k in hashes):
+            # the same embeddings, maybe in another precision (one of the hashes matches)
+            diff = [k for k in diff if not k.startswith("embed_sha256")]
         if diff:
             said = ", ".join(f"{k} {trained_for[k]!r}, this one {mine.get(k)!r}" for k in diff)
             raise MTPLoadError(

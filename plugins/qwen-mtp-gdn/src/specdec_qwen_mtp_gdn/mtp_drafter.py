@@ -337,7 +337,7 @@ class QwenMTPSession(BaseDrafterSession):
         o = self.seed
         tokens, qs = [], []
         for i in range(k):
-            logits = self.head.logits(o)  # [1, V]
+            logits = self.head.logits(o, context=history)  # [1, V]
             if greedy:
                 y = mx.argmax(logits, axis=-1)
             else:
