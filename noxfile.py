@@ -88,7 +88,9 @@ def tests(session: nox.Session) -> None:
     """The core and every plugin (plugins/*, docs/examples/*) installed editable; all tests."""
     args = ["-e", f".[{CORE_EXTRAS}]"]
     for p in _plugin_dirs():
-        args += ["-e", _rel(p)]
+        # with its test extra (e.g. the openai client for specdec-plugin-serve's tests)
+        extras = _pyproject(p).get("project", {}).get("optional-dependencies", {})
+        args += ["-e", _rel(p) + ("[test]" if "test" in extras else "")]
     session.install(*args, *TEST_REQUIREMENTS)
     session.run("specdec", "plugins", "--all")
     _pytest(session, *_test_dirs())

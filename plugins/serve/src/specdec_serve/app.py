@@ -1,0 +1,501 @@
+"""The HTTP side of ``specdec serve``: an OpenAI-compatible API on Starlette.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming with
+server-sent events, or one JSON response), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text) and ``GET /`` (a page to try the model).
+
+Every request is checked before it is queued; a bad one gets an OpenAI-style
+error (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status and
+the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from importlib import resources
+from typing import Any
+
+import specdec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from .engine import Engine, Job
+
+#: Request fields that ask for something this server does not do: refused, not ignored.
+UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "response_format",
+    "echo",
+    "best_of",
+    "suffix",
+)
+
+
+class APIError(Exception):
+    """A request the server refuses: an OpenAI-style error body with ``status``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.type = status, param, code, type_
+
+    def response(self) -> JSONResponse:
+        body = {
+            "error": {
+                "message": str(self),
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        return JSONResponse(body, status_code=self.status)
+
+
+def _number(
+    body: dict, name: str, default: float, *, low: float, high: float | None = None
+) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise APIError(f"{name} must be a number, got {v!r}", param=name, code="invalid_type")
+    if v < low or (high is not None and v > high):
+        rng = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+        raise APIError(f"{name} must be {rng}, got {v!r}", param=name, code="invalid_value")
+    return float(v)
+
+
+def _params(body: dict, engine: Engine, prompt_len: int) -> dict:
+    """``Pipeline.stream`` keyword arguments from the request body (checked)."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = 256
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise APIError(
+            f"max_tokens must be an integer >= 1, got {max_tokens!r}",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    ctx = engine.context_length
+    if ctx is not None and prompt_len >= ctx:
+        raise APIError(
+            f"the prompt is {prompt_len} tokens; this model's context is {ctx} tokens",
+            param="messages" if "messages" in body else "prompt",
+            code="context_length_exceeded",
+        )
+    if ctx is not None:
+        max_tokens = min(max_tokens, ctx - prompt_len)
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise APIError(
+            f"n must be 1 (one choice per request), got {n!r}", param="n", code="invalid_value"
+        )
+    temperature = _number(body, "temperature", 0.0, low=0.0)
+    top_p = _number(body, "top_p", 1.0, low=0.0, high=1.0)
+    if top_p == 0.0:
+        raise APIError("top_p must be > 0", param="top_p", code="invalid_value")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise APIError(f"seed must be an integer, got {seed!r}", param="seed", code="invalid_type")
+    for name in UNSUPPORTED:
+        v = body.get(name)
+        if v not in (None, False, 0, [], {}) and not (name == "best_of" and v == 1):
+            raise APIError(
+                f"{name} is not supported by this server", param=name, code="unsupported"
+            )
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name, 0.0, low=-2.0, high=2.0)
+        if v:
+            penalties[name] = v
+    bias = body.get("logit_bias")
+    if bias:
+        vocab = specdec.model_vocab_size(engine.model)
+        try:
+            penalties["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise APIError(
+                "logit_bias must map token ids to numbers", param="logit_bias", code="invalid_value"
+            ) from exc
+        if vocab is not None and any(not 0 <= t < vocab for t in penalties["logit_bias"]):
+            raise APIError(
+                f"logit_bias token ids must be in [0, {vocab})",
+                param="logit_bias",
+                code="invalid_value",
+            )
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if (
+            not isinstance(stop, list)
+            or not all(isinstance(s, str) and s for s in stop)
+            or len(stop) > 16
+        ):
+            raise APIError(
+                "stop must be a non-empty string or a list of up to 16 of them",
+                param="stop",
+                code="invalid_value",
+            )
+    return {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "stop": stop or None,
+        **penalties,
+    }
+
+
+def _specdec_object(policy: str, stats: dict) -> dict:
+    """The ``specdec`` object of a response: what speculation did for it."""
+    per = {
+        name: {"drafted": int(d.get("drafted") or 0), "accepted": int(d.get("accepted") or 0)}
+        for name, d in (stats.get("per_drafter") or {}).items()
+    }
+    return {
+        "policy": policy,
+        "tokens_per_forward": stats.get("tokens_per_forward"),
+        "acceptance_rate": stats.get("acceptance_rate") if stats.get("drafted") else None,
+        "target_forwards": stats.get("target_forwards"),
+        "drafted": stats.get("drafted"),
+        "accepted": stats.get("accepted"),
+        "per_drafter": per,
+        "speculation_off_reason": stats.get("speculation_off_reason"),
+        "decode_tps": stats.get("decode_tps"),
+    }
+
+
+def _usage(stats: dict, prompt_len: int, completion: int) -> dict:
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+    }
+
+
+class Server:
+    """The Starlette app around an :class:`Engine`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.app = Starlette(
+            routes=[
+                Route("/", self.page, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+            ]
+        )
+
+    # -- small routes --------------------------------------------------------------------
+
+    async def page(self, request: Request) -> HTMLResponse:
+        html = resources.files("specdec_serve").joinpath("page.html").read_text(encoding="utf-8")
+        self.engine.metrics.request("/", 200)
+        return HTMLResponse(html.replace("{{MODEL}}", self.engine.model_name))
+
+    async def health(self, request: Request) -> JSONResponse:
+        e = self.engine
+        alive = e._worker.is_alive()
+        self.engine.metrics.request("/health", 200 if alive else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if alive else "worker stopped",
+                "model": e.model_name,
+                "queue_length": e.jobs.qsize(),
+                "running": e.running,
+                "policies": list(e.policy_specs),
+                "default_policy": e.default_policy,
+            },
+            status_code=200 if alive else 503,
+        )
+
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        self.engine.metrics.request("/metrics", 200)
+        text = self.engine.metrics.render(self.engine.jobs.qsize(), self.engine.running)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def models(self, request: Request) -> JSONResponse:
+        self.engine.metrics.request("/v1/models", 200)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.engine.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "specdec",
+                    }
+                ],
+            }
+        )
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(
+                f"the request body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if model is not None and model != self.engine.model_name:
+            raise APIError(
+                f"model {model!r} is not served here; this server serves {self.engine.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    def _policy(self, body: dict) -> str:
+        name = body.get("policy")
+        if name is not None and not isinstance(name, str):
+            raise APIError(
+                f"policy must be a policy name, got {name!r}", param="policy", code="invalid_value"
+            )
+        try:
+            return self.engine.resolve_policy(name)
+        except specdec.PolicyError as exc:
+            raise APIError(str(exc), param="policy", code="unknown_policy") from exc
+
+    async def chat(self, request: Request) -> Any:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Any:
+        return await self._generate(request, chat=False)
+
+    def _prompt(self, body: dict, chat: bool) -> list[int]:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise APIError(
+                    "messages must be a non-empty list", param="messages", code="invalid_value"
+                )
+            clean = []
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise APIError(
+                        f"messages[{i}] must be an object with a role and content", param="messages"
+                    )
+                content = m.get("content")
+                if isinstance(content, list):  # content parts: the text ones
+                    content = "".join(
+                        p.get("text", "")
+                        for p in content
+                        if isinstance(p, dict) and p.get("type") == "text"
+                    )
+                if not isinstance(content, str):
+                    raise APIError(f"messages[{i}].content must be text", param="messages")
+                clean.append({"role": m["role"], "content": content})
+            ids = self.engine.chat_ids(clean)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            ):
+                ids = list(prompt)
+            elif isinstance(prompt, str) and prompt:
+                ids = self.engine.text_ids(prompt)
+            else:
+                raise APIError(
+                    "prompt must be a non-empty string or a list of token ids",
+                    param="prompt",
+                    code="invalid_value",
+                )
+        vocab = specdec.model_vocab_size(self.engine.model)
+        if vocab is not None and any(t < 0 or t >= vocab for t in ids):
+            raise APIError(
+                f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value"
+            )
+        if not ids:
+            raise APIError("the prompt is empty", param="prompt", code="invalid_value")
+        return ids
+
+    async def _generate(self, request: Request, *, chat: bool) -> Any:
+        endpoint = request.url.path
+        try:
+            body = await self._body(request)
+            policy = self._policy(body)
+            ids = self._prompt(body, chat)
+            params = _params(body, self.engine, len(ids))
+            stream = bool(body.get("stream", False))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        except APIError as exc:
+            self.engine.metrics.request(endpoint, exc.status)
+            return exc.response()
+        job = Job(policy, ids, params, asyncio.get_running_loop())
+        self.engine.submit(job)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if stream:
+            self.engine.metrics.request(endpoint, 200)
+            return StreamingResponse(
+                self._sse(job, rid, created, chat, policy, len(ids), include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await self._whole(job, rid, created, chat, policy, len(ids), endpoint)
+
+    def _choice(self, chat: bool, text: str | None, finish: str | None, *, delta: bool) -> dict:
+        if chat:
+            key = "delta" if delta else "message"
+            msg: dict = {} if text is None else {"content": text}
+            if not delta:
+                msg = {"role": "assistant", "content": text or ""}
+            return {"index": 0, key: msg, "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+    async def _whole(
+        self,
+        job: Job,
+        rid: str,
+        created: int,
+        chat: bool,
+        policy: str,
+        n_prompt: int,
+        endpoint: str,
+    ) -> JSONResponse:
+        parts: list[str] = []
+        n = 0
+        try:
+            while True:
+                item = await job.out.get()
+                if item[0] == "token":
+                    r = item[1]
+                    parts.append(r.text)
+                    n += 0 if r.is_stop_token else 1
+                elif item[0] == "done":
+                    stats, finish = item[1], item[2]
+                    break
+                else:
+                    raise item[1]
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        except Exception as exc:
+            self.engine.metrics.request(endpoint, 500)
+            return APIError(
+                f"generation failed: {type(exc).__name__}: {exc}",
+                status=500,
+                type_="server_error",
+                code="generation_failed",
+            ).response()
+        self.engine.metrics.request(endpoint, 200)
+        body = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.engine.model_name,
+            "choices": [self._choice(chat, "".join(parts), finish, delta=False)],
+            "usage": _usage(stats, n_prompt, n),
+            "specdec": _specdec_object(policy, stats),
+        }
+        return JSONResponse(body)
+
+    async def _sse(
+        self,
+        job: Job,
+        rid: str,
+        created: int,
+        chat: bool,
+        policy: str,
+        n_prompt: int,
+        include_usage: bool,
+    ):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list, **extra: Any) -> str:
+            d = {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": self.engine.model_name,
+                "choices": choices,
+            }
+            d.update(extra)
+            return f"data: {json.dumps(d)}\n\n"
+
+        n = 0
+        try:
+            if chat:
+                yield chunk(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            while True:
+                item = await job.out.get()
+                if item[0] == "token":
+                    r = item[1]
+                    if r.is_stop_token:
+                        continue
+                    n += 1
+                    fwd = r.stats.target_forwards if r.stats is not None else 0
+                    live = {
+                        "from_draft": bool(r.from_draft),
+                        "tokens_per_forward": round(n / fwd, 3) if fwd else None,
+                    }
+                    # one chunk per token, also when its text is not complete yet ("")
+                    yield chunk([self._choice(chat, r.text, None, delta=True)], specdec=live)
+                elif item[0] == "done":
+                    stats, finish = item[1], item[2]
+                    extra: dict = {"specdec": _specdec_object(policy, stats)}
+                    yield chunk(
+                        [self._choice(chat, None if chat else "", finish, delta=True)], **extra
+                    )
+                    if include_usage:
+                        yield chunk([], usage=_usage(stats, n_prompt, n))
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    exc = item[1]
+                    err = {
+                        "error": {
+                            "message": f"generation failed: {type(exc).__name__}: {exc}",
+                            "type": "server_error",
+                            "param": None,
+                            "code": "generation_failed",
+                        }
+                    }
+                    yield f"data: {json.dumps(err)}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            job.cancelled.set()  # a client that went away: the worker stops at its next token
+
+
+def make_app(engine: Engine) -> Starlette:
+    """The ASGI app serving ``engine``."""
+    return Server(engine).app

@@ -1,0 +1,343 @@
+"""The engine behind ``specdec serve``: one model, a pipeline per policy, a worker thread.
+
+Requests are validated on the event loop (before any model work) and queued as
+:class:`Job` objects; one worker thread runs them through ``Pipeline.stream``
+one at a time, in arrival order, and hands every committed token back to the
+request's asyncio queue. A request whose client went away is skipped, or stopped
+at its next token. An exception inside a request fails that request only: the
+pipeline makes fresh caches for every request, so nothing of it outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import specdec
+
+#: Sampling fields of a request and what ``Pipeline.stream`` calls them.
+SAMPLING = ("temperature", "top_p", "seed")
+
+
+class Job:
+    """One request's generation: its prompt ids, sampling, stop strings and the queue
+    its tokens go to (``("token", StreamResponse)``, then ``("done", stats dict,
+    finish_reason)`` or ``("error", exception)``)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(
+        self,
+        policy: str,
+        prompt_ids: list[int],
+        params: dict,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.id = next(self._ids)
+        self.policy = policy
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.loop = loop
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.created = time.time()
+        self.started: float | None = None
+
+    def emit(self, item: tuple) -> None:
+        """Hand ``item`` to the request's coroutine (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is going down
+            self.cancelled.set()
+
+
+class Metrics:
+    """Counters and gauges for ``/metrics`` (Prometheus text format), thread-safe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.target_forwards = 0
+        self.drafted: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}
+        self.position_reached: dict[tuple[str, int], int] = {}
+        self.position_accepted: dict[tuple[str, int], int] = {}
+        self.decode_seconds = 0.0
+        self.cancelled = 0
+        self.failed = 0
+
+    def request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            key = (endpoint, status)
+            self.requests[key] = self.requests.get(key, 0) + 1
+
+    def finished(self, stats: dict) -> None:
+        """Add one request's final stats."""
+        with self.lock:
+            self.generated_tokens += int(stats.get("generation_tokens") or 0)
+            self.prompt_tokens += int(stats.get("prompt_tokens") or 0)
+            self.target_forwards += int(stats.get("target_forwards") or 0)
+            self.decode_seconds += float(stats.get("decode_time_s") or 0.0)
+            for name, d in (stats.get("per_drafter") or {}).items():
+                self.drafted[name] = self.drafted.get(name, 0) + int(d.get("drafted") or 0)
+                self.accepted[name] = self.accepted.get(name, 0) + int(d.get("accepted") or 0)
+                reached = d.get("position_reached") or []
+                acc = d.get("position_accepted") or []
+                for i, r in enumerate(reached):
+                    k = (name, i + 1)
+                    self.position_reached[k] = self.position_reached.get(k, 0) + int(r)
+                    a = int(acc[i]) if i < len(acc) else 0
+                    self.position_accepted[k] = self.position_accepted.get(k, 0) + a
+
+    def render(self, queue_length: int, running: int) -> str:
+        """The Prometheus text exposition of every metric."""
+
+        def esc(v: str) -> str:
+            return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: Sequence[tuple[str, Any]]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:  # a summary's "_sum"/"_count" go on the name
+                lines.append(f"{name}{labels} {value}")
+
+        with self.lock:
+            metric(
+                "specdec_requests_total",
+                "counter",
+                "HTTP requests by endpoint and status code.",
+                [
+                    (f'{{endpoint="{esc(e)}",code="{c}"}}', n)
+                    for (e, c), n in sorted(self.requests.items())
+                ],
+            )
+            metric(
+                "specdec_queue_length",
+                "gauge",
+                "Requests waiting for the worker.",
+                [("", queue_length)],
+            )
+            metric(
+                "specdec_running_requests",
+                "gauge",
+                "Requests being generated now.",
+                [("", running)],
+            )
+            metric(
+                "specdec_generated_tokens_total",
+                "counter",
+                "Tokens generated.",
+                [("", self.generated_tokens)],
+            )
+            metric(
+                "specdec_prompt_tokens_total",
+                "counter",
+                "Prompt tokens processed.",
+                [("", self.prompt_tokens)],
+            )
+            metric(
+                "specdec_target_forwards_total",
+                "counter",
+                "Forward passes of the target model while decoding (one per round).",
+                [("", self.target_forwards)],
+            )
+            metric(
+                "specdec_drafted_tokens_total",
+                "counter",
+                "Tokens proposed by each drafter.",
+                [(f'{{drafter="{esc(k)}"}}', v) for k, v in sorted(self.drafted.items())],
+            )
+            metric(
+                "specdec_accepted_tokens_total",
+                "counter",
+                "Drafted tokens the target accepted, by drafter.",
+                [(f'{{drafter="{esc(k)}"}}', v) for k, v in sorted(self.accepted.items())],
+            )
+            metric(
+                "specdec_position_reached_total",
+                "counter",
+                "Rounds whose block reached draft position N, by drafter (drafters that report it).",
+                [
+                    (f'{{drafter="{esc(k)}",position="{p}"}}', v)
+                    for (k, p), v in sorted(self.position_reached.items())
+                ],
+            )
+            metric(
+                "specdec_position_accepted_total",
+                "counter",
+                "Rounds whose draft at position N was accepted, by drafter.",
+                [
+                    (f'{{drafter="{esc(k)}",position="{p}"}}', v)
+                    for (k, p), v in sorted(self.position_accepted.items())
+                ],
+            )
+            metric(
+                "specdec_round_seconds",
+                "summary",
+                "Decode time per round (one target forward each): sum and count.",
+                [("_sum", round(self.decode_seconds, 6)), ("_count", self.target_forwards)],
+            )
+            metric(
+                "specdec_cancelled_requests_total",
+                "counter",
+                "Requests whose client went away.",
+                [("", self.cancelled)],
+            )
+            metric(
+                "specdec_failed_requests_total",
+                "counter",
+                "Requests that failed inside generation.",
+                [("", self.failed)],
+            )
+        return "\n".join(lines) + "\n"
+
+
+class Engine:
+    """The served model, its pipelines (one per policy, built on first use) and the worker.
+
+    Args:
+        model: a model folder or Hub id (``None``: the built-in default model).
+        policies: the policies this server offers, by preset name or TOML path; the
+            first is the default of a request that names none. Requests may also name
+            any preset.
+        model_name: the id ``/v1/models`` lists and requests must name (default: the
+            model folder's name).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        policies: Sequence[str] = ("none",),
+        *,
+        model_name: str | None = None,
+    ) -> None:
+        if not policies:
+            raise specdec.PolicyError("give at least one policy")
+        self.policy_specs: dict[str, specdec.Policy] = {}
+        for spec in policies:
+            pol = specdec.load_policy(spec)
+            self.policy_specs[pol.name] = pol
+        self.default_policy = specdec.load_policy(policies[0]).name
+        first = self.policy_specs[self.default_policy]
+        pipe = specdec.assemble(model, policy=first)
+        self.model, self.tokenizer = pipe.model, pipe.tokenizer
+        self.pipes: dict[str, Any] = {self.default_policy: pipe}
+        pipe.prepare()
+        source = specdec.model_source(self.model)
+        self.model_path = str(source) if source is not None else str(model)
+        self.model_name = model_name or os.path.basename(os.path.normpath(self.model_path))
+        args = getattr(self.model, "args", None)
+        self.context_length = getattr(args, "max_position_embeddings", None)
+        self.metrics = Metrics()
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.running = 0
+        self._pipes_lock = threading.Lock()
+        self._worker = threading.Thread(target=self._work, name="specdec-serve-worker", daemon=True)
+        self._worker.start()
+
+    # -- policies ------------------------------------------------------------------------
+
+    def policy_names(self) -> list[str]:
+        """What a request may name: the server's policies, then the presets."""
+        return list(dict.fromkeys([*self.policy_specs, *specdec.PRESETS]))
+
+    def resolve_policy(self, name: str | None) -> str:
+        """The policy a request names (``None``: the server's default).
+
+        Raises:
+            specdec.PolicyError: a name that is neither the server's nor a preset.
+        """
+        if name is None:
+            return self.default_policy
+        if name in self.policy_specs or name in specdec.PRESETS:
+            return name
+        raise specdec.PolicyError(
+            f"unknown policy {name!r}: this server offers {', '.join(self.policy_names())}"
+        )
+
+    def pipe(self, name: str) -> Any:
+        """The pipeline of policy ``name``, assembled on first use (components checked)."""
+        with self._pipes_lock:
+            pipe = self.pipes.get(name)
+            if pipe is None:
+                pol = self.policy_specs.get(name) or specdec.load_policy(name)
+                pipe = specdec.assemble(self.model, self.tokenizer, pol)
+                pipe.prepare()
+                self.pipes[name] = pipe
+            return pipe
+
+    # -- prompts -------------------------------------------------------------------------
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Prompt ids of chat ``messages`` through the tokenizer's chat template."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+        return [int(t) for t in tok.encode(text)]
+
+    def text_ids(self, prompt: str) -> list[int]:
+        """Prompt ids of a completion prompt (no chat template)."""
+        return [int(t) for t in self.tokenizer.encode(prompt)]
+
+    # -- the worker ----------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` for the worker."""
+        self.jobs.put(job)
+
+    def close(self) -> None:
+        """Stop the worker after the job it is running."""
+        self.jobs.put(None)
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                with self.metrics.lock:
+                    self.metrics.cancelled += 1
+                continue
+            self.running += 1
+            try:
+                self._run(job)
+            finally:
+                self.running -= 1
+
+    def _run(self, job: Job) -> None:
+        job.started = time.time()
+        try:
+            pipe = self.pipe(job.policy)
+            stream = pipe.stream(job.prompt_ids, **job.params)
+            last = None
+            try:
+                for r in stream:
+                    if job.cancelled.is_set():
+                        with self.metrics.lock:
+                            self.metrics.cancelled += 1
+                        return
+                    job.emit(("token", r))
+                    last = r
+            finally:
+                stream.close()
+            stats = last.stats.to_dict() if last is not None and last.stats is not None else {}
+            self.metrics.finished(stats)
+            job.emit(("done", stats, last.finish_reason if last is not None else "stop"))
+        except Exception as exc:  # this request fails; the server and other requests go on
+            with self.metrics.lock:
+                self.metrics.failed += 1
+            job.emit(("error", exc))
