@@ -656,10 +656,11 @@ def test_doctor_head_errors_before_model_work(capsys, args, needle):
     assert rc != 0 and needle in err
 
 
-def test_doctor_unknown_head_is_named(capsys, tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr("specdec.costs.cache_dir", lambda: tmp_path)
-    rc, _, err = run_cli(capsys, "doctor", "--model", str(tiny_model), "--head", "nope")
-    assert rc != 0 and "'nope'" in err and "exact" in err
+def test_doctor_unknown_head_or_option_is_named_before_the_model_is_loaded(capsys):
+    rc, _, err = run_cli(capsys, "doctor", "--model", "/no/such/model", "--head", "nope")
+    assert rc != 0 and "'nope'" in err and "exact" in err and "/no/such" not in err
+    rc, _, err = run_cli(capsys, "doctor", "--model", "/no/such/model", "--head", "exact:x=1")
+    assert rc != 0 and "x" in err and "/no/such" not in err
 
 
 def test_parse_head_spec_values():

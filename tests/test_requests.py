@@ -251,3 +251,14 @@ def test_stats_time_verify_and_commit_in_speculative_rounds(models, copy_prompts
     st = undrafted.stats
     assert st.drafted == 0 and st.target_forwards == 10 and st.speculation_off_reason is None
     assert st.verify_time_s == st.commit_time_s == st.rollback_fraction == 0
+
+
+def test_check_request_refuses_what_stream_would_before_any_model_work(models):
+    pipe = specdec.assemble(models["llama"], policy={"drafters": [], "acceptor": "greedy"})
+    pipe.check_request(max_tokens=4, temperature=0.0, seed=3)  # fine; extra keys ignored
+    with pytest.raises(specdec.RequestError, match="acceptor 'greedy'"):
+        pipe.check_request(temperature=0.7)
+    with pytest.raises(specdec.RequestError, match="top_p"):
+        pipe.check_request(top_p=0.0)
+    with pytest.raises(specdec.RequestError, match="stop"):
+        pipe.check_request(stop=[""])

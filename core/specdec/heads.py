@@ -187,7 +187,7 @@ class OutputLayer:
             for attr, kind in _POST_ATTRS
             if (c := _post_constant(model, attr)) is not None
         ]
-        close = None
+        close: list = []  # the posts that match up to rounding, in the order tried
         for post in tried:
             out = _apply_post(z, post)
             if out.shape != ref.shape:
@@ -195,10 +195,10 @@ class OutputLayer:
             if bool(mx.array_equal(out, ref)):
                 return post
             tol = 1e-3 if self.dtype == mx.float32 else 5e-2
-            if close is None and bool(mx.allclose(out, ref, rtol=tol, atol=tol)):
-                close = post
-        if close is not None:  # the same operations up to rounding (another kernel order)
-            return close
+            if bool(mx.allclose(out, ref, rtol=tol, atol=tol)):
+                close.append(post)
+        if close:  # the same operations up to rounding (another kernel order)
+            return close[0]
         names = ", ".join(["none"] + [f"{k} {c:g}" for k, c in (p for p in tried if p)])
         raise ModelLoadError(
             f"{type(model).__name__}: its output path is not its output layer "

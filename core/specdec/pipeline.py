@@ -343,7 +343,9 @@ class Pipeline:
         own = model is not None
         if not own:
             model = self.model
-        tokenizer = getattr(d, "head_tokenizer", None) if own else self.tokenizer
+        # A drafter's own model shares the target's vocabulary (checked in attach), so
+        # the pipeline's tokenizer stands in when the drafter has none of its own.
+        tokenizer = (getattr(d, "head_tokenizer", None) if own else None) or self.tokenizer
         head = self.host.draft_head(name, self.policy.options_for(name), model, tokenizer)
         tv, hv = model_vocab_size(self.model), getattr(head, "vocab_size", None)
         if tv is not None and hv is not None and int(hv) != tv:
@@ -400,6 +402,53 @@ class Pipeline:
         return ids
 
     # -- requests -------------------------------------------------------------------
+
+    def check_request(
+        self,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        min_tokens_to_keep: int = 1,
+        stop: Sequence[str] | None = None,
+        prefill_step_size: int = 512,
+        **_ignored: Any,
+    ) -> None:
+        """Check a request's arguments as :meth:`stream` does before any model work, for
+        callers that must refuse a request before queueing it (a server). Arguments it
+        does not check (the prompt, seed, processors) are ignored.
+
+        Raises:
+            RequestError: naming the bad argument and what is accepted.
+        """
+        validate_request(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            min_tokens_to_keep=min_tokens_to_keep,
+        )
+        if stop is not None and (
+            isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)
+        ):
+            raise RequestError(f"stop must be a list of non-empty strings, got {stop!r}")
+        if (
+            prefill_step_size is None
+            or isinstance(prefill_step_size, bool)
+            or not (isinstance(prefill_step_size, int) and prefill_step_size >= 1)
+        ):
+            raise RequestError(
+                f"prefill_step_size must be an integer >= 1, got {prefill_step_size!r}"
+            )
+        if self.policy.acceptor == "greedy" and temperature > 0:
+            raise RequestError(
+                f"policy {self.policy.name!r} names acceptor 'greedy', which is only exact with "
+                f"temperature 0 (got temperature={temperature}); use acceptor 'auto', "
+                "'point_mass' or 'rejection' for sampling"
+            )
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         """Run :meth:`stream` to the end; same arguments."""
@@ -464,26 +513,16 @@ class Pipeline:
         Raises:
             RequestError: bad arguments, before any model work.
         """
-        validate_request(
+        self.check_request(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
             min_p=min_p,
             min_tokens_to_keep=min_tokens_to_keep,
+            stop=stop,
+            prefill_step_size=prefill_step_size,
         )
-        if stop is not None and (
-            isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)
-        ):
-            raise RequestError(f"stop must be a list of non-empty strings, got {stop!r}")
-        if (
-            prefill_step_size is None
-            or isinstance(prefill_step_size, bool)
-            or not (isinstance(prefill_step_size, int) and prefill_step_size >= 1)
-        ):
-            raise RequestError(
-                f"prefill_step_size must be an integer >= 1, got {prefill_step_size!r}"
-            )
         ids = self._prompt_ids(prompt)
         sampler = Sampler(
             temperature=float(temperature),
@@ -493,12 +532,6 @@ class Pipeline:
             min_tokens_to_keep=min_tokens_to_keep,
             seed=seed,
         )
-        if self.policy.acceptor == "greedy" and not sampler.is_greedy:
-            raise RequestError(
-                f"policy {self.policy.name!r} names acceptor 'greedy', which is only exact with "
-                f"temperature 0 (got temperature={temperature}); use acceptor 'auto', "
-                "'point_mass' or 'rejection' for sampling"
-            )
         processors = list(logits_processors or []) + make_logits_processors(
             logit_bias,
             repetition_penalty,
@@ -1017,10 +1050,17 @@ class Pipeline:
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         if row.governor is not None:
             stats.governor = dict(row.governor.stats())
-        for head in self.heads.values():
+        shown: dict[str, Any] = {}  # key -> head object
+        for drafter, head in self.heads.items():
             extra = getattr(head, "stats", None)
-            if callable(extra):
-                stats.draft_heads[head.name] = dict(extra())
+            if not callable(extra):
+                continue
+            key = head.name
+            if shown.get(key, head) is not head:  # another head of that name (another model)
+                key = f"{head.name} ({drafter})"
+            if key not in shown:
+                shown[key] = head
+                stats.draft_heads[key] = dict(extra())
         for name, s in row.sessions:
             extra = getattr(s, "stats", None)
             if callable(extra) and name in stats.per_drafter:

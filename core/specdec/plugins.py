@@ -307,7 +307,8 @@ class PluginHost:
             UnknownComponentError: ``name`` is not an installed draft head.
             PolicyError: bad options.
         """
-        key = (name, _freeze(options or {}))
+        # one head per tokenizer too: a head may read it when it is bound
+        key = (name, _freeze(options or {}), id(tokenizer) if tokenizer is not None else None)
         entry = self._heads.get(id(model))
         if entry is None or entry[0]() is not model:
             key_id = id(model)

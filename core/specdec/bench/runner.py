@@ -739,13 +739,17 @@ def run_bench(
                         progress.advance()
             if temp == 0 and off:  # the exactness audit: every greedy run vs plain
                 ref = off[0].tokens
-                for res in per_kind.values():
-                    runs_of = [("off", i, r) for i, r in enumerate(off[1:], 1)]
-                    runs_of += [("on", i, r) for i, r in enumerate(res.on)]
-                    for kind, i, r in runs_of:
+                off_divs = [
+                    {"kind": "off", "run": i, **d}
+                    for i, r in enumerate(off[1:], 1)
+                    if (d := first_divergence(model, ids, ref, r.tokens)) is not None
+                ]
+                for res in per_kind.values():  # the off runs are shared by the policies
+                    res.divergences.extend(off_divs)
+                    for i, r in enumerate(res.on):
                         d = first_divergence(model, ids, ref, r.tokens)
                         if d is not None:
-                            res.divergences.append({"kind": kind, "run": i, **d})
+                            res.divergences.append({"kind": "on", "run": i, **d})
             faith = None
             if score_faithfulness and off:
                 ref = off[0]

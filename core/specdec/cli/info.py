@@ -300,8 +300,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         raise CliError("--reprofile needs --model")
     if args.head and not args.model:
         raise CliError("--head needs --model (the model to build the head for)")
-    for spec in args.head or ():
-        parse_head_spec(spec)  # malformed specs fail before any model work
+    if args.head:  # unknown heads and bad options fail before any model work
+        import specdec
+
+        host = specdec.get_plugin_host()
+        for spec in args.head:
+            name, options = parse_head_spec(spec)
+            host.get("draft_head", name)
+            host.create("draft_head", name, options)  # checks the options; binds nothing
     report = doctor_report()
     if args.model:
         loaded = _load_doctor_model(args.model)

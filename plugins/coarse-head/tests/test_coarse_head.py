@@ -118,11 +118,16 @@ def test_auto_times_on_this_device():
         ({"group_size": 48}, "group_size must be one of 32, 64, 128"),
         ({"candidates": 0}, "candidates must be an integer >= 1"),
         ({"corpus": "/no/such/corpus"}, "no such file or folder"),
+        ({"corpus": "EMPTY"}, "has no .txt, .md or .py file"),
+        ({"bits": 3.0}, "bits must be one of"),
         ({"context_tokens": "yes"}, "context_tokens must be true or false"),
         ({"nope": 1}, "nope"),
     ],
 )
-def test_bad_options_are_named(options, match):
+def test_bad_options_are_named(options, match, tmp_path):
+    if options.get("corpus") == "EMPTY":  # a folder without text files
+        (tmp_path / "notes.bin").write_bytes(b"\0")
+        options = {"corpus": str(tmp_path)}
     with pytest.raises(specdec.PolicyError, match=match):
         create_coarse_head(**options)
 

@@ -20,10 +20,8 @@ TEXT = (
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from specdec.loading import load_model
-    from specdec.models.default import default_model_path
-
-    return load_model(str(default_model_path()))
+    pipe = specdec.assemble(None, policy="none")  # the built-in default model
+    return pipe.model, pipe.tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,15 @@ def test_chat_completion_equals_the_pipeline(server, client):
     sd = r.model_extra["specdec"]
     assert sd["policy"] == "none" and sd["target_forwards"] == alone.stats.target_forwards
     assert sd["speculation_off_reason"] is not None
+    # an answer that ends on the end-of-sequence token streams its whole text too (the
+    # stop token's response carries the detokenizer's last flush)
+    assert alone.finish_reason == "stop"
+    chunks = list(
+        client.chat.completions.create(
+            model=engine.model_name, messages=msgs, max_tokens=12, stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone.text
 
 
 def test_streamed_chat_has_the_same_text_and_a_final_specdec_object(server, client):
@@ -187,6 +196,19 @@ def test_penalties_and_logit_bias_reach_the_pipeline(server, client):
             400,
             "logit_bias must map",
         ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "policy": "draft"},
+            400,
+            "cannot run on this server",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream must be"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "stream_options": [1]},
+            400,
+            "stream_options must be an object",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_k": -3}, 400, "top_k must be"),
+        ({"messages": [{"role": "user", "content": "hi"}], "min_p": 2}, 400, "min_p must be in"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, needle):
@@ -199,6 +221,11 @@ def test_bad_requests_get_openai_errors(server, body, status, needle):
 
 def test_malformed_json_and_an_overlong_prompt(server, client):
     base, engine = server
+    nan = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    r = httpx.post(
+        base + "/v1/chat/completions", content=nan, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
     r = httpx.post(
         base + "/v1/chat/completions",
         content=b"{not json",

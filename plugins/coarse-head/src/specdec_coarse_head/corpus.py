@@ -92,21 +92,36 @@ def builtin_texts() -> list[str]:
     return texts
 
 
+def corpus_files(spec: str) -> list[str]:
+    """The files of a corpus given as a path: the file itself, or every ``.txt``, ``.md``
+    and ``.py`` file under the folder (sorted)."""
+    path = os.path.abspath(os.path.expanduser(spec))
+    if os.path.isfile(path):
+        return [path]
+    return sorted(
+        os.path.join(r, f)
+        for r, _d, fs in os.walk(path)
+        for f in fs
+        if f.endswith((".txt", ".md", ".py"))
+    )
+
+
 def read_corpus(spec: str) -> list[str]:
     """The texts of ``spec``: ``"builtin"``, a text file, or a folder (every ``.txt``,
     ``.md`` and ``.py`` file in it, recursively)."""
     if spec == "builtin":
         return builtin_texts()
-    path = os.path.expanduser(spec)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return [f.read()]
     out = []
-    for root, _dirs, files in os.walk(path):
-        for fn in sorted(files):
-            if fn.endswith((".txt", ".md", ".py")):
-                with open(os.path.join(root, fn), encoding="utf-8", errors="replace") as f:
-                    out.append(f.read())
+    for fn in corpus_files(spec):
+        with open(fn, encoding="utf-8", errors="replace") as f:
+            out.append(f.read())
+    if not any(t.strip() for t in out):
+        import specdec
+
+        raise specdec.PolicyError(
+            f"coarse_head: option corpus: {spec!r} holds no text (a text file, or a folder "
+            "with .txt, .md or .py files, is needed)"
+        )
     return out
 
 

@@ -31,7 +31,13 @@ import mlx.core as mx
 import numpy as np
 import specdec
 
-from .corpus import cached_frequent_tokens, frequent_tokens, variant_groups, with_variants
+from .corpus import (
+    cached_frequent_tokens,
+    corpus_files,
+    frequent_tokens,
+    variant_groups,
+    with_variants,
+)
 
 NAME = "coarse_head"
 #: ``auto`` picks by timing; ``full`` is the real head (nothing coarse).
@@ -82,16 +88,20 @@ class CoarseHead:
         chunk_rows: int = DEFAULTS["chunk_rows"],
         timing_reps: int = DEFAULTS["timing_reps"],
     ):
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise specdec.PolicyError(
                 f"{NAME}: option kind must be one of {', '.join(KINDS)}, got {kind!r}"
             )
-        if bits not in BITS:
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
             raise specdec.PolicyError(
                 f"{NAME}: option bits must be one of {', '.join(map(str, BITS))} "
                 f"(the widths MLX quantizes to), got {bits!r}"
             )
-        if group_size not in GROUP_SIZES:
+        if (
+            isinstance(group_size, bool)
+            or not isinstance(group_size, int)
+            or group_size not in GROUP_SIZES
+        ):
             raise specdec.PolicyError(
                 f"{NAME}: option group_size must be one of "
                 f"{', '.join(map(str, GROUP_SIZES))}, got {group_size!r}"
@@ -105,6 +115,11 @@ class CoarseHead:
                 raise specdec.PolicyError(
                     f"{NAME}: option corpus: no such file or folder: {corpus!r} "
                     "(give 'builtin', a text file or a folder of .txt/.md/.py files)"
+                )
+            if not corpus_files(corpus):
+                raise specdec.PolicyError(
+                    f"{NAME}: option corpus: the folder {corpus!r} has no .txt, .md or .py "
+                    "file (give 'builtin', a text file or a folder of them)"
                 )
         opt = specdec.options
         self.kind = kind
@@ -219,7 +234,8 @@ class CoarseHead:
 
     def _timings(self, kinds: Sequence[str]) -> dict[str, float]:
         """Median seconds of one draft-head call per kind (interleaved, after a warm-up)."""
-        h = mx.random.normal((1, self.out.hidden_size), key=mx.random.key(3)).astype(mx.float32)
+        # a hidden state in the layer's dtype, as a drafter of that model hands over
+        h = mx.random.normal((1, self.out.hidden_size), key=mx.random.key(3)).astype(self.out.dtype)
         samples: dict[str, list[float]] = {k: [] for k in kinds}
         for rep in range(self.timing_reps + 1):
             for k in kinds:
@@ -261,7 +277,9 @@ class CoarseHead:
         hold (cached for one context object: a drafter's draft steps of one round)."""
         if context is None or not self.context_tokens or not len(context):
             return None
-        key = (id(context), len(context), context[-1])
+        # keyed on the tokens themselves: a round's draft steps hit it, another request
+        # (whatever its list's id) does not
+        key = tuple(context)
         cached = self._ctx
         if cached is not None and cached[0] == key:
             return cached[1]

@@ -12,7 +12,9 @@ the server goes on serving.
 from __future__ import annotations
 
 import asyncio
+import html
 import json
+import math
 import time
 import uuid
 from importlib import resources
@@ -73,8 +75,10 @@ def _number(
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise APIError(f"{name} must be a number, got {v!r}", param=name, code="invalid_type")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise APIError(
+            f"{name} must be a finite number, got {v!r}", param=name, code="invalid_type"
+        )
     if v < low or (high is not None and v > high):
         rng = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
         raise APIError(f"{name} must be {rng}, got {v!r}", param=name, code="invalid_value")
@@ -119,7 +123,27 @@ def _params(body: dict, engine: Engine, prompt_len: int) -> dict:
             raise APIError(
                 f"{name} is not supported by this server", param=name, code="unsupported"
             )
-    penalties = {}
+    penalties: dict[str, Any] = {}
+    top_k = body.get("top_k", 0)
+    if top_k not in (None, 0, -1):
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise APIError(
+                f"top_k must be an integer >= 0 (0 or -1: off), got {top_k!r}",
+                param="top_k",
+                code="invalid_value",
+            )
+        penalties["top_k"] = top_k
+    min_p = _number(body, "min_p", 0.0, low=0.0, high=1.0)
+    if min_p:
+        penalties["min_p"] = min_p
+    rep = body.get("repetition_penalty")
+    if rep not in (None, 1, 1.0):
+        rep = _number(body, "repetition_penalty", 1.0, low=0.0)
+        if rep <= 0:
+            raise APIError(
+                "repetition_penalty must be > 0", param="repetition_penalty", code="invalid_value"
+            )
+        penalties["repetition_penalty"] = rep
     for name in ("presence_penalty", "frequency_penalty"):
         v = _number(body, name, 0.0, low=-2.0, high=2.0)
         if v:
@@ -209,9 +233,9 @@ class Server:
     # -- small routes --------------------------------------------------------------------
 
     async def page(self, request: Request) -> HTMLResponse:
-        html = resources.files("specdec_serve").joinpath("page.html").read_text(encoding="utf-8")
+        page = resources.files("specdec_serve").joinpath("page.html").read_text(encoding="utf-8")
         self.engine.metrics.request("/", 200)
-        return HTMLResponse(html.replace("{{MODEL}}", self.engine.model_name))
+        return HTMLResponse(page.replace("{{MODEL}}", html.escape(self.engine.model_name)))
 
     async def health(self, request: Request) -> JSONResponse:
         e = self.engine
@@ -282,6 +306,22 @@ class Server:
         except specdec.PolicyError as exc:
             raise APIError(str(exc), param="policy", code="unknown_policy") from exc
 
+    def _pipe(self, policy: str, params: dict) -> None:
+        """Assemble ``policy``'s pipeline here (no model work) and check the request's
+        arguments as it will, so a bad one is a 400 before anything is queued."""
+        try:
+            pipe = self.engine.pipe(policy)
+        except specdec.SpecdecError as exc:
+            raise APIError(
+                f"policy {policy!r} cannot run on this server: {exc}",
+                param="policy",
+                code="unknown_policy",
+            ) from exc
+        try:
+            pipe.check_request(**params)
+        except specdec.RequestError as exc:
+            raise APIError(str(exc), code="invalid_value") from exc
+
     async def chat(self, request: Request) -> Any:
         return await self._generate(request, chat=True)
 
@@ -311,7 +351,10 @@ class Server:
                 if not isinstance(content, str):
                     raise APIError(f"messages[{i}].content must be text", param="messages")
                 clean.append({"role": m["role"], "content": content})
-            ids = self.engine.chat_ids(clean)
+            try:
+                ids = self.engine.chat_ids(clean)
+            except ValueError as exc:
+                raise APIError(str(exc), param="messages", code="invalid_value") from exc
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -346,8 +389,28 @@ class Server:
             policy = self._policy(body)
             ids = self._prompt(body, chat)
             params = _params(body, self.engine, len(ids))
-            stream = bool(body.get("stream", False))
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+            stream = body.get("stream", False)
+            if stream is None:
+                stream = False
+            if not isinstance(stream, bool):
+                raise APIError(
+                    f"stream must be true or false, got {stream!r}",
+                    param="stream",
+                    code="invalid_type",
+                )
+            opts = body.get("stream_options") or {}
+            if not isinstance(opts, dict):
+                raise APIError(
+                    "stream_options must be an object", param="stream_options", code="invalid_type"
+                )
+            include_usage = opts.get("include_usage", False)
+            if not isinstance(include_usage, bool):
+                raise APIError(
+                    "stream_options.include_usage must be true or false",
+                    param="stream_options",
+                    code="invalid_type",
+                )
+            self._pipe(policy, params)  # the policy assembles, and takes these arguments
         except APIError as exc:
             self.engine.metrics.request(endpoint, exc.status)
             return exc.response()
@@ -362,7 +425,7 @@ class Server:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await self._whole(job, rid, created, chat, policy, len(ids), endpoint)
+        return await self._whole(job, rid, created, chat, policy, len(ids), endpoint, request)
 
     def _choice(self, chat: bool, text: str | None, finish: str | None, *, delta: bool) -> dict:
         if chat:
@@ -382,12 +445,19 @@ class Server:
         policy: str,
         n_prompt: int,
         endpoint: str,
+        request: Request,
     ) -> JSONResponse:
         parts: list[str] = []
         n = 0
         try:
             while True:
-                item = await job.out.get()
+                try:
+                    item = await asyncio.wait_for(job.out.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():  # nobody to answer: stop the work
+                        job.cancelled.set()
+                        return JSONResponse({}, status_code=499)
+                    continue
                 if item[0] == "token":
                     r = item[1]
                     parts.append(r.text)
@@ -400,6 +470,9 @@ class Server:
         except asyncio.CancelledError:
             job.cancelled.set()
             raise
+        except specdec.RequestError as exc:  # refused by the pipeline before any model work
+            self.engine.metrics.request(endpoint, 400)
+            return APIError(str(exc), code="invalid_value").response()
         except Exception as exc:
             self.engine.metrics.request(endpoint, 500)
             return APIError(
@@ -459,7 +532,9 @@ class Server:
                 item = await job.out.get()
                 if item[0] == "token":
                     r = item[1]
-                    if r.is_stop_token:
+                    if r.is_stop_token:  # not a token of the answer, but it may carry the
+                        if r.text:  # detokenizer's last flushed text
+                            yield chunk([self._choice(chat, r.text, None, delta=True)])
                         continue
                     n += 1
                     fwd = r.stats.target_forwards if r.stats is not None else 0

@@ -223,9 +223,15 @@ class Engine:
     ) -> None:
         if not policies:
             raise specdec.PolicyError("give at least one policy")
+        self._pipes_lock = threading.Lock()
         self.policy_specs: dict[str, specdec.Policy] = {}
         for spec in policies:
             pol = specdec.load_policy(spec)
+            if pol.name in self.policy_specs:
+                raise specdec.PolicyError(
+                    f"two policies are named {pol.name!r} ({spec!r} and an earlier one): "
+                    "each policy a server offers needs its own name (name = ... in a TOML file)"
+                )
             self.policy_specs[pol.name] = pol
         self.default_policy = specdec.load_policy(policies[0]).name
         first = self.policy_specs[self.default_policy]
@@ -233,6 +239,8 @@ class Engine:
         self.model, self.tokenizer = pipe.model, pipe.tokenizer
         self.pipes: dict[str, Any] = {self.default_policy: pipe}
         pipe.prepare()
+        for name in self.policy_specs:  # every offered policy assembles before serving
+            self.pipe(name).prepare()
         source = specdec.model_source(self.model)
         self.model_path = str(source) if source is not None else str(model)
         self.model_name = model_name or os.path.basename(os.path.normpath(self.model_path))
@@ -241,7 +249,6 @@ class Engine:
         self.metrics = Metrics()
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.running = 0
-        self._pipes_lock = threading.Lock()
         self._worker = threading.Thread(target=self._work, name="specdec-serve-worker", daemon=True)
         self._worker.start()
 
@@ -266,28 +273,47 @@ class Engine:
         )
 
     def pipe(self, name: str) -> Any:
-        """The pipeline of policy ``name``, assembled on first use (components checked)."""
+        """The pipeline of policy ``name``, assembled on first use (components and options
+        checked; no model work: the worker calls ``prepare()`` before its first request).
+
+        Raises:
+            specdec.PolicyError, specdec.ModelLoadError: the policy cannot run here.
+        """
         with self._pipes_lock:
             pipe = self.pipes.get(name)
             if pipe is None:
                 pol = self.policy_specs.get(name) or specdec.load_policy(name)
                 pipe = specdec.assemble(self.model, self.tokenizer, pol)
-                pipe.prepare()
                 self.pipes[name] = pipe
             return pipe
 
     # -- prompts -------------------------------------------------------------------------
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer has a chat template (chat requests need one)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Prompt ids of chat ``messages`` through the tokenizer's chat template."""
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-        return [int(t) for t in tok.encode(text)]
+        """Prompt ids of chat ``messages`` through the tokenizer's chat template.
+
+        Raises:
+            ValueError: the model has no chat template, or the template refuses the
+                messages (its own message).
+        """
+        if not self.has_chat_template:
+            raise ValueError(
+                f"{self.model_name} has no chat template: send the prompt to /v1/completions"
+            )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+        except Exception as exc:  # jinja's TemplateError and the like: the template said no
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
     def text_ids(self, prompt: str) -> list[int]:
         """Prompt ids of a completion prompt (no chat template)."""
@@ -322,6 +348,7 @@ class Engine:
         job.started = time.time()
         try:
             pipe = self.pipe(job.policy)
+            pipe.prepare()  # once per pipeline: e.g. the verify cost curve
             stream = pipe.stream(job.prompt_ids, **job.params)
             last = None
             try:
