@@ -57,27 +57,40 @@ def _target(model: Any, tokens: Sequence[int]) -> tuple[mx.array, mx.array]:
 
 
 class OutputLayer:
-    """The target's output path as ``logits = h @ W.T + b`` (``W``: ``[V, H]``).
+    """The target's output path as ``logits = h @ W.T + b`` (``W``: ``[V, H]``), read
+    through the core's :func:`specdec.output_layer` (one per model, shared with draft
+    heads): the layer's rows, dequantized, with a logit scale folded in.
 
-    Read from the model's own head (applied to the identity), so tied embeddings,
-    ``lm_head`` and logit scales all come out right; :attr:`affine` says whether the
-    head really is affine (checked on random states; soft-capping is not).
+    :attr:`affine` says whether the path really is affine (nothing but a scale after
+    the layer; soft-capping is not); only then are :attr:`weight`, :attr:`bias` and
+    :attr:`gram` (``W.T @ W``, built on first use) there.
     """
 
     def __init__(self, model: Any):
-        taps = specdec.model_taps(model)
-        hidden = int(text_model(model).args.hidden_size)
-        bias = taps.head(mx.zeros((1, 1, hidden), dtype=mx.float32))[0, 0].astype(mx.float32)
-        cols = taps.head(mx.eye(hidden, dtype=mx.float32)[None])[0].astype(mx.float32)
-        self.weight = (cols - bias).T  # [V, H]
-        self.bias = bias if bool(mx.any(bias != 0)) else None
-        probe = mx.random.normal((1, 4, hidden), key=mx.random.key(0)) * 2.0
-        ref = taps.head(probe)[0].astype(mx.float32)
-        err = float(mx.max(mx.abs(self.logits(probe[0]) - ref)))
-        self.affine = err <= 1e-3 * (1.0 + float(mx.max(mx.abs(ref))))
-        self.gram = self.weight.T @ self.weight  # [H, H]
-        self.vocab = int(self.weight.shape[0])
-        mx.eval(self.weight, self.gram, self.bias)
+        try:
+            layer = specdec.output_layer(model)
+        except specdec.ModelLoadError:  # an output path the core cannot read as rows
+            layer = None
+        post = None if layer is None else layer.post
+        self.affine = layer is not None and (post is None or post[0] in ("mul", "div"))
+        self.vocab = int(layer.vocab_size if layer is not None else specdec.model_vocab_size(model))
+        self.weight = self.bias = None
+        self._gram = None
+        if self.affine:
+            scale = 1.0 if post is None else (post[1] if post[0] == "mul" else 1.0 / post[1])
+            w = layer.dense().astype(mx.float32)
+            b = None if layer.bias is None else layer.bias.astype(mx.float32)
+            self.weight = w if scale == 1.0 else w * scale
+            self.bias = None if b is None else (b if scale == 1.0 else b * scale)
+            mx.eval(self.weight, self.bias)
+
+    @property
+    def gram(self) -> mx.array:
+        """``W.T @ W`` (``[H, H]``), for the whole vocabulary's logit error of a state error."""
+        if self._gram is None:
+            self._gram = self.weight.T @ self.weight
+            mx.eval(self._gram)
+        return self._gram
 
     def logits(self, h: mx.array, ids: mx.array | None = None) -> mx.array:
         """Logits of ``h`` (``[..., H]``) over the whole vocabulary or over ``ids``."""
