@@ -262,3 +262,11 @@ def test_check_request_refuses_what_stream_would_before_any_model_work(models):
         pipe.check_request(top_p=0.0)
     with pytest.raises(specdec.RequestError, match="stop"):
         pipe.check_request(stop=[""])
+
+
+def test_encode_messages_needs_a_chat_template(models):
+    pipe = specdec.assemble(models["llama"], ToyTokenizer(64), policy="none")
+    with pytest.raises(specdec.RequestError, match="no chat template"):
+        pipe.encode_messages([{"role": "user", "content": "hi"}])
+    # encode_prompt falls back to plain encoding without a template
+    assert pipe.encode_prompt("hi") == pipe.encode_prompt("hi", chat_template=False)

@@ -258,12 +258,6 @@ class OutputLayer:
         """The layer's rows ``ids`` as a dense ``[len(ids), H]`` matrix (layer dtype)."""
         return self._dense(ids)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the layer's own arrays take."""
-        arrays = (self.weight, self.scales, self.biases, self.bias)
-        return int(sum(a.nbytes for a in arrays if a is not None))
-
     def describe(self) -> dict:
         """What was found, JSON-able."""
         return {

@@ -370,13 +370,28 @@ class Pipeline:
             if system_prompt:
                 messages.append({"role": "system", "content": system_prompt})
             messages.append({"role": "user", "content": text})
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
+            return self.encode_messages(messages)
         return [int(t) for t in self.tokenizer.encode(text)]
+
+    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
+        """Prompt ids of chat ``messages`` (``{"role", "content"}`` dicts) through the
+        tokenizer's chat template, with the generation prompt added.
+
+        Raises:
+            RequestError: no tokenizer, or a tokenizer without a chat template.
+            Exception: whatever the template raises for messages it refuses (jinja's
+                ``TemplateError``, for example).
+        """
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(
+                "this pipeline's tokenizer has no chat template: pass a plain prompt instead"
+            )
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

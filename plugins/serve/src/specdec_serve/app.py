@@ -57,8 +57,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.param, self.code, self.type = status, param, code, type_
 
-    def response(self) -> JSONResponse:
-        body = {
+    def body(self) -> dict:
+        """The OpenAI-style error object."""
+        return {
             "error": {
                 "message": str(self),
                 "type": self.type,
@@ -66,7 +67,9 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
-        return JSONResponse(body, status_code=self.status)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def _number(
@@ -206,7 +209,20 @@ def _specdec_object(policy: str, stats: dict) -> dict:
     }
 
 
-def _usage(stats: dict, prompt_len: int, completion: int) -> dict:
+def _generation_error(exc: Exception) -> APIError:
+    """What a request that failed in the worker answers: the pipeline's refusal of its
+    arguments (before any model work) is a 400, anything else a 500."""
+    if isinstance(exc, specdec.RequestError):
+        return APIError(str(exc), code="invalid_value")
+    return APIError(
+        f"generation failed: {type(exc).__name__}: {exc}",
+        status=500,
+        type_="server_error",
+        code="generation_failed",
+    )
+
+
+def _usage(prompt_len: int, completion: int) -> dict:
     return {
         "prompt_tokens": prompt_len,
         "completion_tokens": completion,
@@ -428,12 +444,12 @@ class Server:
         return await self._whole(job, rid, created, chat, policy, len(ids), endpoint, request)
 
     def _choice(self, chat: bool, text: str | None, finish: str | None, *, delta: bool) -> dict:
-        if chat:
-            key = "delta" if delta else "message"
+        if chat and delta:  # a chunk: the new text, none on the last one
             msg: dict = {} if text is None else {"content": text}
-            if not delta:
-                msg = {"role": "assistant", "content": text or ""}
-            return {"index": 0, key: msg, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "delta": msg, "finish_reason": finish, "logprobs": None}
+        if chat:
+            msg = {"role": "assistant", "content": text or ""}
+            return {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
         return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
 
     async def _whole(
@@ -470,17 +486,10 @@ class Server:
         except asyncio.CancelledError:
             job.cancelled.set()
             raise
-        except specdec.RequestError as exc:  # refused by the pipeline before any model work
-            self.engine.metrics.request(endpoint, 400)
-            return APIError(str(exc), code="invalid_value").response()
         except Exception as exc:
-            self.engine.metrics.request(endpoint, 500)
-            return APIError(
-                f"generation failed: {type(exc).__name__}: {exc}",
-                status=500,
-                type_="server_error",
-                code="generation_failed",
-            ).response()
+            err = _generation_error(exc)
+            self.engine.metrics.request(endpoint, err.status)
+            return err.response()
         self.engine.metrics.request(endpoint, 200)
         body = {
             "id": rid,
@@ -488,7 +497,7 @@ class Server:
             "created": created,
             "model": self.engine.model_name,
             "choices": [self._choice(chat, "".join(parts), finish, delta=False)],
-            "usage": _usage(stats, n_prompt, n),
+            "usage": _usage(n_prompt, n),
             "specdec": _specdec_object(policy, stats),
         }
         return JSONResponse(body)
@@ -551,20 +560,11 @@ class Server:
                         [self._choice(chat, None if chat else "", finish, delta=True)], **extra
                     )
                     if include_usage:
-                        yield chunk([], usage=_usage(stats, n_prompt, n))
+                        yield chunk([], usage=_usage(n_prompt, n))
                     yield "data: [DONE]\n\n"
                     return
                 else:
-                    exc = item[1]
-                    err = {
-                        "error": {
-                            "message": f"generation failed: {type(exc).__name__}: {exc}",
-                            "type": "server_error",
-                            "param": None,
-                            "code": "generation_failed",
-                        }
-                    }
-                    yield f"data: {json.dumps(err)}\n\n"
+                    yield f"data: {json.dumps(_generation_error(item[1]).body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
         finally:

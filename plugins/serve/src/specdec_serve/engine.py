@@ -15,14 +15,10 @@ import itertools
 import os
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import specdec
-
-#: Sampling fields of a request and what ``Pipeline.stream`` calls them.
-SAMPLING = ("temperature", "top_p", "seed")
 
 
 class Job:
@@ -46,8 +42,6 @@ class Job:
         self.loop = loop
         self.out: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.created = time.time()
-        self.started: float | None = None
 
     def emit(self, item: tuple) -> None:
         """Hand ``item`` to the request's coroutine (from the worker thread)."""
@@ -306,14 +300,9 @@ class Engine:
                 f"{self.model_name} has no chat template: send the prompt to /v1/completions"
             )
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
+            return self.pipes[self.default_policy].encode_messages(messages)
         except Exception as exc:  # jinja's TemplateError and the like: the template said no
             raise ValueError(f"the chat template refused the messages: {exc}") from exc
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
 
     def text_ids(self, prompt: str) -> list[int]:
         """Prompt ids of a completion prompt (no chat template)."""
@@ -345,7 +334,6 @@ class Engine:
                 self.running -= 1
 
     def _run(self, job: Job) -> None:
-        job.started = time.time()
         try:
             pipe = self.pipe(job.policy)
             pipe.prepare()  # once per pipeline: e.g. the verify cost curve
