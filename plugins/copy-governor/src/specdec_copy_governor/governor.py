@@ -139,6 +139,8 @@ class CopyGovernor(BaseGovernor):
     """
 
     name = NAME
+    #: Sessions keep only their own counts: rows of a batch are independent.
+    supports_batch = True
 
     def __init__(
         self,

@@ -161,6 +161,8 @@ class NgramCopyDrafter(BaseDrafter):
     """
 
     name = NAME
+    #: Sessions keep only their own history and store: rows of a batch are independent.
+    supports_batch = True
 
     def __init__(
         self,
