@@ -891,3 +891,52 @@ def test_cli_dtype_reports_every_greedy_run(capsys, byte_model, tmp_path):
 def test_cli_dtype_choices(capsys, no_model_loading, byte_model):
     rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), "--dtype", "int8")
     assert rc == 2 and "--dtype" in err and "bfloat16" in err
+
+
+# -- --batch --------------------------------------------------------------------------
+
+
+def test_cli_batch_compares_the_policy_with_none_and_mlx_lm_batch_generate(capsys, byte_model):
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--model",
+        str(byte_model),
+        "--batch",
+        "1,3",
+        "-w",
+        "code-edit",
+        "--runs",
+        "1",
+        "--max-tokens",
+        "12",
+        "--json",
+    )
+    assert rc == 0, err
+    records = json.loads(out)
+    assert [(r["workload"], r["batch"]) for r in records] == [("code-edit", 1), ("code-edit", 3)]
+    for r in records:
+        b = r["batch"]
+        assert r["policy"] == "copy"
+        for k in ("off_tps", "on_tps", "mlx_lm_tps", "on_vs_off", "on_vs_mlx_lm"):
+            assert isinstance(r[k], float) and r[k] > 0, (k, r)
+        # every row of every contender is the prompt decoded alone
+        assert r["rows_identical"] == {"off": f"{b}/{b}", "on": f"{b}/{b}", "mlx-lm": f"{b}/{b}"}
+        # the byte model's drafts are rejected; drafting in a batch is tested in test_batch.py
+        assert r["tokens_per_forward"] >= 1.0 and 0.0 <= r["acceptance_rate"] <= 1.0
+    assert "| code-edit | 3 |" in err and "mlx-lm batch_generate" in err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--batch", "0"], "--batch takes batch sizes >= 1"),
+        (["--batch", "2,x"], "--batch takes batch sizes >= 1"),
+        (["--batch", "2", "--baseline", "mlx-lm"], "does not take --baseline"),
+        (["--batch", "2", "--temp", "1"], "does not take --temp"),
+        (["--batch", "2", "--policy", "draft"], "does not support batched rows"),
+    ],
+)
+def test_cli_batch_bad_arguments(capsys, no_model_loading, byte_model, args, needle):
+    rc, out, err = run_cli(capsys, "bench", "--model", str(byte_model), *args)
+    assert_usage_error(rc, out, err, needle)

@@ -558,9 +558,10 @@ def test_public_rollback_api(models):
 def test_batch_policy_with_a_component_that_cannot_batch_fails_before_model_work():
     with plugin_host() as host, pytest.raises(specdec.PolicyError) as e:
         specdec.assemble(
-            "/no/such/model", policy={"drafters": ["oracle"], "max_batch": 4}, host=host
+            "/no/such/model", policy={"drafters": ["draft_model"], "max_batch": 4}, host=host
         )
     msg = str(e.value)
-    assert "max_batch=4" in msg and "drafter 'oracle'" in msg and "supports_batch" in msg
+    assert "decodes 4 rows of a batch" in msg and "drafter 'draft_model'" in msg
+    assert "supports_batch" in msg and "ngram_copy" in msg and "oracle" in msg  # the ones that do
     with pytest.raises(specdec.PolicyError, match="max_batch must be an integer >= 1"):
         specdec.Policy(max_batch=0)

@@ -29,6 +29,7 @@ if _blas_status.action == "too_late":
     )
 
 from . import options
+from .batch import Batch, BatchEvent, BatchKVRollback
 from .capture import ModelTaps, TapError, model_taps
 from .costs import (
     AcceptanceEstimate,
@@ -90,7 +91,7 @@ from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.4"
+__version__ = "0.2.5"
 
 __all__ = [
     "CAPABILITIES",
@@ -99,6 +100,9 @@ __all__ = [
     "AcceptanceEstimate",
     "Acceptor",
     "BaseDrafter",
+    "Batch",
+    "BatchEvent",
+    "BatchKVRollback",
     "BaseDrafterSession",
     "BaseGovernor",
     "BaseGovernorSession",

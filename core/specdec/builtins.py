@@ -48,7 +48,7 @@ def specdec_register_acceptors(register):
 
 @hookimpl
 def specdec_register_cache_rollbacks(register):
-    """Register ``kv_trim``, ``rotating_window`` and ``cache_list``."""
+    """Register ``kv_trim``, ``rotating_window``, ``cache_list`` and ``batch_kv``."""
     from .rollback import CacheListRollback, KVTrimRollback, RotatingWindowRollback
 
     register(
@@ -60,6 +60,13 @@ def specdec_register_cache_rollbacks(register):
         description="RotatingKVCache, exact also after the window wrapped",
     )
     register("cache_list", CacheListRollback, description="CacheList: delegate each child")
+    from .batch import BatchKVRollback
+
+    register(
+        "batch_kv",
+        BatchKVRollback,
+        description="BatchKVCache: rows of a batch rolled back by different amounts",
+    )
 
 
 @hookimpl

@@ -123,6 +123,11 @@ class _Row:
     governor: Any = None
     #: the history as an ``mx.array`` (kept only when logits processors need it).
     hist_arr: Any = None
+    #: prompt tokens per prefill forward.
+    prefill_step: int = 512
+    #: the incremental detokenizer and the cost model in use (set by ``_open``).
+    detok: Any = None
+    cost: Any = None
 
 
 #: Rounds in a row without a draft after which the next round is queued ahead, as a
@@ -216,24 +221,38 @@ def _check_needs(host: PluginHost, policy: Policy, drafter: str, needs: Any) -> 
     )
 
 
-def _check_batch(host: PluginHost, policy: Policy) -> None:
-    """Refuse ``max_batch > 1`` when a component of the policy cannot run rows of a batch."""
+def _supports_batch(host: PluginHost, role: str, name: str, options: dict) -> bool:
+    """Whether component ``name`` declares ``supports_batch``: its factory, else an instance."""
+    info = host.get(role, name)
+    flag = getattr(info.factory, "supports_batch", None)
+    if flag is None:
+        flag = getattr(host.create(role, name, options), "supports_batch", False)
+    return bool(flag)
+
+
+def _check_batch(host: PluginHost, policy: Policy, rows: int | None = None) -> None:
+    """Refuse rows of a batch (``rows``, default the policy's ``max_batch``) when a
+    component of the policy cannot run them."""
+    rows = policy.max_batch if rows is None else rows
     wanted = [("drafter", n) for n in policy.drafters] + [("verifier", policy.verifier)]
     if policy.governor:
         wanted.append(("governor", policy.governor))
     for role, name in wanted:
-        info = host.get(role, name)
-        if getattr(info.factory, "supports_batch", False):
+        if _supports_batch(host, role, name, policy.options_for(name)):
             continue
-        able = [
-            n
-            for n in host.names(role)
-            if getattr(host.get(role, n).factory, "supports_batch", False)
-        ]
+        able = []
+        for n in host.names(role):
+            try:
+                if _supports_batch(host, role, n, policy.options_for(n)):
+                    able.append(n)
+            except Exception:  # a component that cannot be built with defaults offers nothing
+                continue
+        info = host.get(role, name)
         raise PolicyError(
-            f"policy {policy.name!r} asks for max_batch={policy.max_batch}, but {role} {name!r} "
+            f"policy {policy.name!r} decodes {rows} rows of a batch, but {role} {name!r} "
             f"({info.distribution}) does not support batched rows (supports_batch is not set); "
-            f"installed {role}s that do: {', '.join(able) or '(none)'}; use max_batch = 1"
+            f"installed {role}s that do: {', '.join(able) or '(none)'}; decode one request "
+            "at a time (max_batch = 1, Pipeline.stream)"
         )
 
 
@@ -480,6 +499,65 @@ class Pipeline:
             text="".join(text), tokens=tokens, stats=last.stats, finish_reason=last.finish_reason
         )
 
+    def batch(self, max_rows: int | None = None) -> Any:
+        """A :class:`specdec.Batch` of up to ``max_rows`` rows (default: the policy's
+        ``max_batch``) for continuous batching: ``add`` requests, ``step`` rounds.
+
+        Raises:
+            PolicyError: a component of the policy cannot run rows of a batch.
+        """
+        from .batch import Batch
+
+        return Batch(self, self.policy.max_batch if max_rows is None else max_rows)
+
+    def stream_batch(
+        self, prompts: Sequence[str | Sequence[int]], *, max_rows: int | None = None, **kwargs: Any
+    ) -> Iterator[tuple[int, StreamResponse]]:
+        """Decode ``prompts`` together as the rows of one forward per round, yielding
+        ``(index of the prompt, StreamResponse)`` as tokens are committed.
+
+        Every row has its own drafter and governor sessions, sampler and stop set,
+        and accepts on its own; rows that finish leave the batch and waiting prompts
+        join it. Each row's output is that prompt's output alone.
+
+        Args:
+            prompts: texts or token-id lists.
+            max_rows: rows decoded at once (default: all the prompts).
+            kwargs: as :meth:`stream` (but ``on_round``), the same for every prompt;
+                for per-request arguments use :meth:`batch`.
+
+        Raises:
+            RequestError: a bad argument, before any model work.
+            PolicyError: a component of the policy cannot run rows of a batch.
+            Exception: the first error of a row (the other rows end with it).
+        """
+        from .batch import stream_rows
+
+        prompts = list(prompts)
+        if not prompts:
+            raise RequestError("stream_batch needs at least one prompt")
+        batch = self.batch(len(prompts) if max_rows is None else max_rows)
+        return stream_rows(batch, prompts, kwargs)
+
+    def generate_batch(
+        self, prompts: Sequence[str | Sequence[int]], **kwargs: Any
+    ) -> list[GenerationResult]:
+        """Run :meth:`stream_batch` to the end; one result per prompt, in order."""
+        tokens: list[list[int]] = [[] for _ in prompts]
+        text: list[list[str]] = [[] for _ in prompts]
+        last: list[Any] = [None] * len(prompts)
+        for i, r in self.stream_batch(prompts, **kwargs):
+            if not r.is_stop_token:
+                tokens[i].append(r.token)
+            text[i].append(r.text)
+            last[i] = r
+        return [
+            GenerationResult(
+                text="".join(t), tokens=k, stats=r.stats, finish_reason=r.finish_reason
+            )
+            for t, k, r in zip(text, tokens, last)
+        ]
+
     def stream(
         self,
         prompt: str | Sequence[int],
@@ -528,6 +606,35 @@ class Pipeline:
         Raises:
             RequestError: bad arguments, before any model work.
         """
+        args = dict(locals())  # the request's arguments (first statement: nothing else yet)
+        for name in ("self", "prompt", "on_round"):
+            del args[name]
+        row = self._new_row(prompt, **args)
+        return self._run(row, on_round)
+
+    def _new_row(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        min_tokens_to_keep: int = 1,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        stop_tokens: Sequence[int] | None = None,
+        logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context_size: int = 20,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        prefill_step_size: int = 512,
+    ) -> _Row:
+        """A request's row: its arguments checked (before any model work), its prompt
+        tokenized, its sampler and processors built, fresh caches; no session yet."""
         self.check_request(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -571,12 +678,32 @@ class Pipeline:
             stop_ids=stop_ids,
             stop_strings=tuple(stop or ()),
             max_tokens=max_tokens,
+            prefill_step=prefill_step_size,
         )
-        return self._run(row, prefill_step_size, on_round)
+        return row
 
-    def _run(
-        self, row: _Row, prefill_step_size: int, on_round: Callable | None
-    ) -> Iterator[StreamResponse]:
+    def _run(self, row: _Row, on_round: Callable | None) -> Iterator[StreamResponse]:
+        try:
+            plan = self._open(row)
+            t0 = time.perf_counter()
+            self._prefill(row, row.prefill_step)
+            row.stats.prompt_time_s = time.perf_counter() - t0
+            yield from self._decode(row, plan, row.detok, on_round)
+        finally:
+            self._close(row)
+
+    def _open(
+        self,
+        row: _Row,
+        *,
+        off_reason: str | None = None,
+        row_id: int = 0,
+        reset_peak: bool = True,
+    ) -> RollbackPlan:
+        """Open a request: its rollback plan, detokenizer, cost curve and the drafter and
+        governor sessions (none when speculation is off for it: the policy has no
+        drafters, a cache cannot be rolled back, or ``off_reason`` says why not).
+        Call :meth:`_close` after it, also when it raised."""
         policy, stats, caches = self.policy, row.stats, row.caches
         plan = build_plan(self.host, caches, model=self.model, policy=policy)
         stats.rollbacks = plan.names()
@@ -586,10 +713,14 @@ class Pipeline:
         elif not plan.ok:
             stats.speculation_off_reason = plan.reason
             drafters = []
+        elif off_reason is not None:
+            stats.speculation_off_reason = off_reason
+            drafters = []
         detok = getattr(self.tokenizer, "detokenizer", None) if self.tokenizer is not None else None
         if detok is None:
             detok = _NaiveDetokenizer(self.tokenizer)
         detok.reset()
+        row.detok = detok
 
         cost = self.cost_model if drafters else None
         if cost is not None:
@@ -605,7 +736,9 @@ class Pipeline:
             stats.verify_cost = cost.stats()
             if not cost.loaded:
                 cost = None
-        mx.reset_peak_memory()
+        row.cost = cost
+        if reset_peak:  # a row joining a running batch keeps the others' peak
+            mx.reset_peak_memory()
         ctx_common = dict(
             model=self.model,
             tokenizer=self.tokenizer,
@@ -616,38 +749,41 @@ class Pipeline:
             host=self.host,
             verifier=self.verifier,
             plan=plan,
+            row=row_id,
         )
         if cost is not None:
             ctx_common["cost"] = cost
-        try:
-            for d in drafters:
-                ctx = RequestContext(
-                    **ctx_common, options=policy.options_for(d.name), head=self.heads.get(d.name)
-                )
-                row.sessions.append((d.name, d.session(ctx)))
-                stats.per_drafter[d.name] = {"rounds": 0, "drafted": 0, "accepted": 0}
-            if self.governor is not None and drafters:
-                row.governor = self.governor.session(
-                    RequestContext(**ctx_common, options=policy.options_for(policy.governor))
-                )
-            t0 = time.perf_counter()
-            self._prefill(row, prefill_step_size)
-            stats.prompt_time_s = time.perf_counter() - t0
-            yield from self._decode(row, plan, detok, on_round)
-        finally:
-            if cost is not None:
-                cost.note_context(len(row.history))
-            for _, s in row.sessions:
-                try:
-                    s.end()
-                except Exception:  # ending must not mask the real error
-                    pass
-            end = getattr(row.governor, "end", None)
-            if end is not None:
-                try:
-                    end()
-                except Exception:
-                    pass
+        for d in drafters:
+            ctx = RequestContext(
+                **ctx_common, options=policy.options_for(d.name), head=self.heads.get(d.name)
+            )
+            row.sessions.append((d.name, d.session(ctx)))
+            stats.per_drafter[d.name] = {"rounds": 0, "drafted": 0, "accepted": 0}
+        if self.governor is not None and drafters:
+            row.governor = self.governor.session(
+                RequestContext(**ctx_common, options=policy.options_for(policy.governor))
+            )
+        return plan
+
+    @staticmethod
+    def _close(row: _Row) -> None:
+        """End a request's sessions (errors while ending never mask the request's own)."""
+        if row.cost is not None:
+            row.cost.note_context(len(row.history))
+            row.cost = None
+        for _, s in row.sessions:
+            try:
+                s.end()
+            except Exception:  # ending must not mask the real error
+                pass
+        row.sessions = []
+        end = getattr(row.governor, "end", None)
+        row.governor = None
+        if end is not None:
+            try:
+                end()
+            except Exception:
+                pass
 
     def _prefill(self, row: _Row, step: int) -> None:
         """Feed the prompt but its last token through the verifier, in chunks of ``step``;
@@ -675,7 +811,6 @@ class Pipeline:
         mlx-lm: the next round's forward is queued on the lazily sampled token
         before this round's token is read back (after ``on_round`` when one is given).
         """
-        stats = row.stats
         plain = not row.sessions
         t_start = time.perf_counter()
         queued: _Round | None = None
@@ -711,20 +846,8 @@ class Pipeline:
                         self._undo_lookahead(row, queued)
                         queued = None
                 idle = idle + 1 if result.drafter is None else 0
-                stats.target_forwards += 1
                 pos = result.start_position
-                row.history.extend(result.committed)
-                for _, s in row.sessions:
-                    s.observe(result)
-                if row.governor is not None:
-                    if result.drafter is not None:
-                        row.governor.observe(result.drafter, len(result.block), result.n_accepted)
-                    if result.shadows:
-                        t0 = time.perf_counter()
-                        row.governor.observe_round(result)
-                        stats.shadow_time_s += time.perf_counter() - t0
-                    else:
-                        row.governor.observe_round(result)
+                self._observe(row, result)
                 if on_round is not None:
                     on_round(result, row.caches)
                 ended = yield from self._emit(
@@ -737,6 +860,24 @@ class Pipeline:
                     self._undo_lookahead(row, queued)
             if ended:
                 return
+
+    @staticmethod
+    def _observe(row: _Row, result: RoundResult) -> None:
+        """A committed round: the history grows, the sessions and the governor see it."""
+        stats = row.stats
+        stats.target_forwards += 1
+        row.history.extend(result.committed)
+        for _, s in row.sessions:
+            s.observe(result)
+        if row.governor is not None:
+            if result.drafter is not None:
+                row.governor.observe(result.drafter, len(result.block), result.n_accepted)
+            if result.shadows:
+                t0 = time.perf_counter()
+                row.governor.observe_round(result)
+                stats.shadow_time_s += time.perf_counter() - t0
+            else:
+                row.governor.observe_round(result)
 
     def _start_round(self, row: _Row, plan: RollbackPlan, after: _Round | None) -> _Round:
         """Choose a block, open the transaction and queue the verify forward (no host sync).
@@ -799,7 +940,6 @@ class Pipeline:
         block is fed, inside the lookahead's open transaction, and the round's result is
         the lookahead's joined with the block's.
         """
-        policy, sampler = self.policy, row.sampler
         if row.processors and _is_lazy(rnd.block):
             rnd.block = tuple(rnd.block.tolist())  # processors read the block's history
         if on is not None:
@@ -813,10 +953,7 @@ class Pipeline:
         else:
             inputs = mx.array([row.history[-1], *rnd.block])
         rnd.n_fed = int(inputs.shape[0]) + (0 if on is None else 1)
-        if policy.acceptor == AUTO:
-            rnd.acceptor = auto_acceptor(sampler, rnd.q is not None)
-        else:
-            rnd.acceptor = policy.acceptor
+        self._choose_acceptor(row, rnd)
         # An extended round's verify time counts from the queued forward's launch.
         rnd.t_launch = time.perf_counter() if on is None else on.t_launch
         rnd.txn = plan.begin() if on is None else on.txn
@@ -828,6 +965,12 @@ class Pipeline:
         except BaseException:
             rnd.txn.abort()
             raise
+
+    def _choose_acceptor(self, row: _Row, rnd: _Round) -> None:
+        if self.policy.acceptor == AUTO:
+            rnd.acceptor = auto_acceptor(row.sampler, rnd.q is not None)
+        else:
+            rnd.acceptor = self.policy.acceptor
 
     def _start_lookahead(self, row: _Row, plan: RollbackPlan, rnd: _Round) -> _Round:
         """Queue the next round as a plain step on ``rnd``'s lazily sampled token, before
@@ -970,11 +1113,17 @@ class Pipeline:
                 rnd.txn.abort()
             raise
         t_done = time.perf_counter()
-        block = rnd.block
-        if block:  # a round with nothing drafted has nothing to roll back
+        if rnd.block:  # a round with nothing drafted has nothing to roll back
             stats.verify_time_s += t_commit - rnd.t_launch
             stats.commit_time_s += t_done - t_commit
-        stats.acceptors[rnd.acceptor] = stats.acceptors.get(rnd.acceptor, 0) + 1
+        return self._result(row, rnd, n_acc, int(acc.token))
+
+    @staticmethod
+    def _result(row: _Row, rnd: _Round, n_acc: int, token: int) -> RoundResult:
+        """Count an accepted round in the stats and describe it to the sessions."""
+        stats, block = row.stats, rnd.block
+        if row.sessions:  # plain decoding (a plain row of a batch) counts no acceptor
+            stats.acceptors[rnd.acceptor] = stats.acceptors.get(rnd.acceptor, 0) + 1
         if rnd.chosen is not None:
             stats.drafted += len(block)
             stats.accepted += n_acc
@@ -987,8 +1136,8 @@ class Pipeline:
             drafter=rnd.chosen,
             block=tuple(block),
             n_accepted=n_acc,
-            token=int(acc.token),
-            committed=(*block[:n_acc], int(acc.token)),
+            token=token,
+            committed=(*block[:n_acc], token),
             verify=rnd.vr,
             start_position=rnd.position,
             proposals={

@@ -166,7 +166,8 @@ class RequestContext:
         caches: the target's per-layer cache list (empty at ``session()``: sessions
             are made before prefill; see the module docstring for what they hold later).
         options: the policy options for this component.
-        row: index of this request's row in a batch (always 0 for now).
+        row: the request's id in its :class:`specdec.Batch` (what ``Batch.add``
+            returned; 0 for a request decoded alone).
         host: the plugin host the pipeline resolved its components from.
         verifier: the pipeline's verifier.
         head: the draft head the drafter named with its ``head`` option (``None`` otherwise).

@@ -259,8 +259,9 @@ class _NoRollback:
     def __init__(self, cache: Any):
         self.cache = cache
 
-    def commit(self, n_fed: int, n_keep: int) -> None:
-        if n_fed != n_keep:
+    def commit(self, n_fed: int, n_keep: Any) -> None:
+        keeps = [n_keep] if isinstance(n_keep, int) else list(n_keep)  # one per batch row
+        if any(k != n_fed for k in keeps):
             raise RuntimeError(
                 f"cannot roll back {type(self.cache).__name__}: no rollback supports it"
             )

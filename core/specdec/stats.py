@@ -55,6 +55,8 @@ class Stats:
             forwards ran but are not in ``target_forwards``, which counts the rounds
             whose forward was used.
         verify_cost: the pipeline's cost model's ``stats()`` (empty without one).
+        batch_rows: ``{rows: rounds}`` for a request decoded as a row of a batch: how
+            many rounds ran with that many rows in the forward (empty when alone).
         finish_reason: ``"stop"`` or ``"length"``.
     """
 
@@ -85,6 +87,7 @@ class Stats:
     lookahead_extended: int = 0
     lookahead_aborts: int = 0
     verify_cost: dict = attrs.field(factory=dict)
+    batch_rows: dict = attrs.field(factory=dict)
     finish_reason: str | None = None
 
     @property
@@ -153,6 +156,10 @@ class Stats:
             f"acceptance {self.acceptance_rate:.0%} ({self.accepted}/{self.drafted}), "
             f"peak {self.peak_memory_gb:.2f} GB"
         )
+        if self.batch_rows:
+            rounds = sum(self.batch_rows.values())
+            mean = sum(b * n for b, n in self.batch_rows.items()) / rounds
+            s += f", in a batch of {mean:.1f} rows on average"
         if self.speculation_off_reason:
             s += f", speculation off: {self.speculation_off_reason}"
         return s

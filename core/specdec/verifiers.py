@@ -23,10 +23,17 @@ class LogitsVerifier:
 
     name = "logits"
     provides = frozenset({"logits", "kv"})
+    supports_batch = True
 
     def verify(self, model: Any, tokens: mx.array, caches: list) -> VerifyResult:
         """One target forward; logits ``[n, vocab]``."""
         logits = model(tokens[None], cache=caches)[0]
+        return VerifyResult(logits=logits.astype(mx.float32))
+
+    def verify_batch(self, model: Any, tokens: mx.array, caches: list) -> VerifyResult:
+        """One target forward over the rows of a batch: ``tokens`` ``[B, n]`` (rows
+        right-padded), ``caches`` mlx-lm batch caches; logits ``[B, n, vocab]``."""
+        logits = model(tokens, cache=caches)
         return VerifyResult(logits=logits.astype(mx.float32))
 
 

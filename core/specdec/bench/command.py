@@ -153,8 +153,28 @@ def add_bench_parser(sub: Any, func: Any) -> None:
         "the exactness table then reports, for every greedy run, whether it matched plain "
         "decoding and, where not, the position and the gap between the top two plain logits",
     )
+    p.add_argument(
+        "--batch",
+        default=None,
+        metavar="B1,B2,...",
+        help="measure batched decoding instead: each workload's prompt as B rows at every "
+        "batch size given, aggregate decode tok/s of the policy vs 'none' vs mlx-lm's "
+        "batch_generate (greedy; with --workload, --runs, --max-tokens, --json)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=func)
+
+
+def _parse_batches(spec: str) -> list[int]:
+    try:
+        out = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(b < 1 for b in out):
+        raise CliError(
+            f"--batch takes batch sizes >= 1 separated by commas (e.g. 1,2,4,8), got {spec!r}"
+        )
+    return list(dict.fromkeys(out))
 
 
 def _check_sweep_component(name: str, policy: Any) -> None:
@@ -304,6 +324,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CliError(MATPLOTLIB_MISSING)
     if args.details is not None:
         args.details = _check_output_path(args.details, "--details")
+    batches = None
+    if args.batch is not None:
+        batches = _parse_batches(args.batch)
+        unusable = [
+            flag
+            for flag, on in (
+                ("--sweep", args.sweep is not None),
+                ("--baseline", args.baseline is not None),
+                ("--plot", args.plot is not None),
+                ("--details", args.details is not None),
+                ("--dtype", args.dtype is not None),
+                ("--temp", temps != [0.0]),
+                ("several --policy", len(policies) > 1),
+            )
+            if on
+        ]
+        if unusable:
+            raise CliError(
+                f"--batch measures greedy batched decoding; it does not take {', '.join(unusable)}"
+            )
+        from ..pipeline import _check_batch
+
+        try:
+            _check_batch(specdec.get_plugin_host(), policy, max(batches))
+        except specdec.PolicyError as exc:
+            raise CliError(f"--batch: {exc}") from exc
     model_spec = check_model_spec(args.model, "--model") if args.model else None
     if args.random_weights and model_spec is None:
         raise CliError("--random-weights needs --model FOLDER (a folder with a config.json)")
@@ -326,6 +372,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         import mlx.core as mx
 
         model.set_dtype(getattr(mx, args.dtype))
+
+    if batches is not None:
+        return _batch_bench(args, model, tokenizer, model_spec, workloads, policy, batches)
 
     progress = Progress(
         total_steps(
@@ -398,4 +447,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results, args.plot, title=f"specdec bench: {os.path.basename(str(model_spec))}"
         )
         print(f"specdec bench: plot written to {args.plot}", file=sys.stderr, flush=True)
+    return EXIT_OK
+
+
+def _batch_bench(
+    args: argparse.Namespace,
+    model: Any,
+    tokenizer: Any,
+    model_spec: Any,
+    workloads: list,
+    policy: Any,
+    batches: list[int],
+) -> int:
+    from .batch import batch_steps, batch_table, run_batch_bench
+
+    progress = Progress(
+        batch_steps(len(workloads), batches, args.runs), sys.stderr, enabled=not args.no_progress
+    )
+    print(
+        f"specdec bench --batch: model {model_spec}, policy {policy.name} vs none vs mlx-lm "
+        f"batch_generate, batch sizes {', '.join(map(str, batches))}, {args.runs} run(s) each, "
+        f"{args.max_tokens} tokens, greedy",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        results = run_batch_bench(
+            model,
+            tokenizer,
+            workloads,
+            policy=policy,
+            batches=batches,
+            runs=args.runs,
+            max_tokens=args.max_tokens,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+    table = batch_table(results)
+    if args.json:
+        print_json([r.record() for r in results])
+        _emit(table, sys.stderr)
+    else:
+        _emit(table, sys.stdout)
     return EXIT_OK

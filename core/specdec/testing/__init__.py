@@ -18,7 +18,9 @@ get with the ``none`` policy. An entry-point test calls
 from __future__ import annotations
 
 from .checks import (
+    BATCH_TIE_GAP,
     cache_view,
+    check_batch_identity,
     check_caches_match_plain,
     check_fewer_forwards,
     check_greedy_identity,
@@ -51,7 +53,9 @@ __all__ = [
     "ToyTokenizer",
     "CORRUPTIONS",
     "OracleDrafter",
+    "BATCH_TIE_GAP",
     "cache_view",
+    "check_batch_identity",
     "check_caches_match_plain",
     "check_fewer_forwards",
     "check_greedy_identity",

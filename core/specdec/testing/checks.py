@@ -201,6 +201,92 @@ def check_greedy_identity(
     return dict(totals)
 
 
+#: The largest gap between the two largest plain logits at which a batched row may
+#: pick the other token of the near-tie (the rounding of another forward width).
+BATCH_TIE_GAP = 1e-4
+
+
+def check_batch_identity(
+    model: Any,
+    policy: Policy | str | dict,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int | Sequence[int] = 24,
+    max_rows: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    tokenizer: Any = None,
+    require_drafts: bool = True,
+    **generate_kwargs: Any,
+) -> dict:
+    """Assert each row of a batched run under ``policy`` equals that prompt run alone
+    with plain decoding (the ``none`` policy, :meth:`~specdec.Pipeline.generate`).
+
+    ``max_tokens`` may give one value per prompt (rows then leave the batch at
+    different rounds); ``max_rows`` below ``len(prompts)`` makes waiting prompts join
+    as rows finish. Greedy rows may differ from plain decoding only at a near-tie: at
+    the first difference the gap between the two largest plain logits must be at most
+    :data:`BATCH_TIE_GAP` (the row is then not compared further); sampled rows
+    (``temperature > 0``, position-keyed from ``seed``) must be identical.
+
+    Returns:
+        ``{"drafted", "accepted", "target_forwards", "plain_forwards", "runs",
+        "max_batch_rows", "near_ties"}``; ``near_ties`` lists ``{"row", "position",
+        "plain_top2_gap"}`` of the rows that took the other side of a near-tie.
+
+    Raises:
+        AssertionError: a row differs (position, gap and both streams in the message),
+            the rows were never decoded together, or ``require_drafts`` and nothing was
+            drafted and accepted.
+    """
+    from ..bench.runner import first_divergence
+
+    plain, spec = _pipes(model, policy, tokenizer)
+    prompts = [list(p) for p in prompts]
+    mts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    assert len(mts) == len(prompts), "give one max_tokens per prompt"
+    kw = dict(temperature=temperature, seed=seed, **generate_kwargs)
+    refs = [plain.generate(p, max_tokens=mt, **kw) for p, mt in zip(prompts, mts)]
+    batch = spec.batch(len(prompts) if max_rows is None else max_rows)
+    ids = {batch.add(p, max_tokens=mt, **kw): i for i, (p, mt) in enumerate(zip(prompts, mts))}
+    got: list[list[int]] = [[] for _ in prompts]
+    last: list[Any] = [None] * len(prompts)
+    try:
+        while len(batch):
+            for ev in batch.step():
+                if ev.error is not None:
+                    raise AssertionError(f"row {ids[ev.row]} failed: {ev.error!r}") from ev.error
+                i = ids[ev.row]
+                if not ev.response.is_stop_token:
+                    got[i].append(ev.response.token)
+                last[i] = ev.response
+    finally:
+        batch.close()
+    totals: Counter = Counter()
+    ties = []
+    widest = 0
+    for i, (ref, toks, r) in enumerate(zip(refs, got, last)):
+        if ref.tokens != toks:
+            d = first_divergence(model, prompts[i], ref.tokens, toks)
+            gap = d["plain_top2_gap"]
+            if temperature > 0 or gap is None or gap > BATCH_TIE_GAP:
+                raise AssertionError(
+                    f"row {i} of the batch differs from the prompt run alone with plain "
+                    f"decoding at token {d['position']} (plain top-two logit gap there: "
+                    f"{gap}):\n  plain: {ref.tokens}\n  batch: {toks}"
+                )
+            ties.append({"row": i, "position": d["position"], "plain_top2_gap": gap})
+        else:
+            assert r.finish_reason == ref.finish_reason, (i, r.finish_reason, ref.finish_reason)
+        _add(totals, r.stats, ref.stats)
+        widest = max([widest, *r.stats.batch_rows])
+    if len(prompts) > 1 and (max_rows is None or max_rows > 1):
+        assert widest > 1, "the rows were never decoded together in one forward"
+    if require_drafts:
+        _require_drafts(totals["drafted"], totals["accepted"])
+    return {**totals, "max_batch_rows": widest, "near_ties": ties}
+
+
 def _add(totals: Counter, s: Any, plain: Any) -> None:
     totals["drafted"] += s.drafted
     totals["accepted"] += s.accepted

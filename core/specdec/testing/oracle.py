@@ -34,6 +34,9 @@ class OracleDrafter(BaseDrafter):
     """
 
     name = "oracle"
+    #: Sessions read only the history (and the model, from scratch): rows of a batch
+    #: are independent.
+    supports_batch = True
 
     def __init__(
         self,

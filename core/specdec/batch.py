@@ -1,0 +1,516 @@
+"""Batched speculation: several requests decoded as the rows of one target forward.
+
+A :class:`Batch` holds up to ``max_rows`` requests. Each row keeps its own
+drafter and governor sessions, sampler, stop set and statistics; every round
+asks each row's sessions for a block, feeds ``[last, *block]`` of every row in
+one forward over a right-padded ``[B, 1 + k_max]`` input, accepts each row on
+its own (ragged acceptance) and rolls each row's cache back to what it
+accepted. Requests join between rounds (their prompt is prefilled alone, then
+their cache is merged into the batch's) and rows that finish, fail or are
+cancelled leave it: continuous batching.
+
+The batch's caches are mlx-lm's batch caches (``BatchKVCache`` for attention
+layers). Rolling back rows by different amounts keeps the cache rectangular:
+all rows drop the rejected tail they share, and a row that keeps fewer entries
+than the row that keeps most moves its oldest entries into the holes at its end
+and grows its left padding by as many (the entries of a cache are keys already
+rotated at their positions, so attention does not depend on their order): a few
+entries per row move, never the whole cache (see :class:`BatchKVRollback`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from .errors import PolicyError, RequestError
+from .rollback import build_plan
+
+__all__ = ["Batch", "BatchEvent", "BatchKVRollback"]
+
+#: Left padding shared by every row above which the batch cache is compacted.
+_COMPACT_AT = 256
+
+
+class _BatchKVTransaction:
+    """Per-row rollback of a ``BatchKVCache`` (see :class:`BatchKVRollback`)."""
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.idx = cache._idx
+        self.offset = cache.offset
+
+    def commit(self, n_fed: int, n_keep: int | Sequence[int]) -> None:
+        c = self.cache
+        rows = int(c.offset.shape[0])
+        keep = [int(n_keep)] * rows if isinstance(n_keep, int) else [int(k) for k in n_keep]
+        if len(keep) != rows or not all(0 <= k <= n_fed for k in keep):
+            raise ValueError(f"commit({n_fed}, {n_keep!r}) for a batch cache of {rows} rows")
+        top = max(keep)
+        if n_fed > top:
+            c.trim(n_fed - top)
+        drop = [top - k for k in keep]
+        if any(drop):
+            idx = c._idx
+            lp = c.left_padding.tolist()
+            for r, d in enumerate(drop):
+                n = min(d, idx - d - lp[r])  # the row's oldest entries that fill its holes
+                if d and n > 0:
+                    src, dst = slice(lp[r], lp[r] + n), slice(idx - n, idx)
+                    c.keys[r : r + 1, :, dst, :] = c.keys[r : r + 1, :, src, :]
+                    c.values[r : r + 1, :, dst, :] = c.values[r : r + 1, :, src, :]
+            d = mx.array(drop)
+            c.left_padding = c.left_padding + d
+            c.offset = c.offset - d
+            shared = min(a + b for a, b in zip(lp, drop))
+            if shared >= _COMPACT_AT and c.keys is not None:
+                c.keys = c.keys[..., shared:, :]
+                c.values = c.values[..., shared:, :]
+                c._idx -= shared
+                c.left_padding = c.left_padding - shared
+
+    def abort(self) -> None:
+        c = self.cache
+        if c._idx > self.idx:
+            c.trim(c._idx - self.idx)
+        c.offset = self.offset
+
+
+class BatchKVRollback:
+    """Rollback of mlx-lm's ``BatchKVCache`` rows by different amounts.
+
+    ``commit(n_fed, n_keep)`` takes one ``n_keep`` for every row or a sequence with
+    one per row. All rows drop the rejected tail they share (a trim); a row that
+    keeps ``d`` entries fewer than the row keeping most moves its ``d`` oldest
+    entries into the ``d`` slots at its end and grows its left padding by ``d``, so
+    its valid entries stay contiguous and right-aligned. When every row's left
+    padding passes 256 the shared padding is cut off.
+    """
+
+    name = "batch_kv"
+    supports_batch = True
+
+    def supports(self, cache: Any) -> bool:
+        """Exactly ``BatchKVCache``."""
+        return type(cache) is getattr(mlx_cache, "BatchKVCache", ())
+
+    def begin(self, cache: Any) -> _BatchKVTransaction:
+        """Remember the write index and the rows' offsets."""
+        return _BatchKVTransaction(cache)
+
+
+@attrs.frozen
+class BatchEvent:
+    """What a :meth:`Batch.step` produced for one row.
+
+    Attributes:
+        row: the id :meth:`Batch.add` returned.
+        response: a committed token (the last one has ``finish_reason``), or ``None``.
+        error: the exception that ended this row's request (its prompt could not be
+            prefilled, a drafter or the acceptor raised, or the round's forward
+            failed), or ``None``. The other rows go on.
+    """
+
+    row: int
+    response: Any = None
+    error: BaseException | None = None
+
+
+@attrs.define
+class _Member:
+    rid: int
+    row: Any
+    t_start: float = 0.0
+    cancelled: bool = False
+    prompt_cache: Any = None
+
+
+def _reads_prefill(session: Any) -> bool:
+    """Whether a session has a ``prefill`` of its own (not the base class's no-op)."""
+    from .roles import BaseDrafterSession
+
+    fn = getattr(type(session), "prefill", None)
+    return callable(fn) and fn is not BaseDrafterSession.prefill
+
+
+def _merged(caches: list) -> list:
+    """A request's prefilled caches as one-row batch caches (mlx-lm's ``merge``)."""
+    out = []
+    for i, c in enumerate(caches):
+        merge = getattr(type(c), "merge", None)
+        if merge is None:
+            raise PolicyError(
+                f"the model's cache {type(c).__name__} (layer {i}) cannot be batched: mlx-lm "
+                "gives it no merge(); decode one request at a time (max_batch = 1)"
+            )
+        out.append(merge([c]))
+    return out
+
+
+class Batch:
+    """Requests decoded together as the rows of one target forward per round.
+
+    Made by :meth:`specdec.Pipeline.batch`. :meth:`add` queues a request (its
+    arguments are checked at once, before any model work), :meth:`step` admits
+    queued requests while there is room and runs one round for every row, and
+    :meth:`cancel` frees a row at the next round. The batch is run by one thread.
+
+    Speculation runs in a batch when every layer's cache has a rollback with
+    ``supports_batch`` (the built-in ``batch_kv`` for ``BatchKVCache``); otherwise
+    the rows decode plainly, together, and their ``stats.speculation_off_reason``
+    says why.
+    """
+
+    def __init__(self, pipeline: Any, max_rows: int):
+        from .pipeline import _check_batch
+
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise RequestError(f"a batch needs max_rows >= 1, got {max_rows!r}")
+        self.pipeline = pipeline
+        self.max_rows = max_rows
+        _check_batch(pipeline.host, pipeline.policy, max_rows)
+        verify = getattr(pipeline.verifier, "verify_batch", None)
+        if not callable(verify):
+            raise PolicyError(
+                f"verifier {pipeline.verifier.name!r} has no verify_batch(model, tokens, "
+                "caches): it cannot verify rows of a batch"
+            )
+        self._verify = verify
+        probe = _merged(make_prompt_cache(pipeline.model))
+        plan = build_plan(pipeline.host, probe, model=pipeline.model, policy=pipeline.policy)
+        #: why the rows of this batch cannot speculate (``None``: they can).
+        self.off_reason: str | None = None
+        if not plan.ok:
+            self.off_reason = f"in a batch: {plan.reason}"
+        else:
+            unable = [r.name for r in plan.assigned if not getattr(r, "supports_batch", False)]
+            if unable:
+                self.off_reason = (
+                    f"cache rollback {unable[0]!r} cannot roll back rows of a batch by "
+                    "different amounts (it does not set supports_batch)"
+                )
+        #: rounds run (one target forward each) and their time, for servers' metrics.
+        self.rounds = 0
+        self.round_time_s = 0.0
+        self._pending: deque[_Member] = deque()
+        self._rows: list[_Member] = []
+        self._caches: list | None = None
+        self._plan: Any = None
+        self._next = 0
+
+    # -- queue ------------------------------------------------------------------
+
+    def add(
+        self, prompt: str | Sequence[int], *, prompt_cache: list | None = None, **kwargs: Any
+    ) -> int:
+        """Queue a request; ``kwargs`` as :meth:`specdec.Pipeline.stream` (but ``on_round``).
+
+        Args:
+            prompt: text or token ids.
+            prompt_cache: the model's per-layer caches (``make_prompt_cache(model)``)
+                holding every prompt token but the last, e.g. computed once for many
+                requests with the same prompt: the row starts from a copy of it instead
+                of prefilling (not for drafters that read the prompt at prefill).
+
+        Returns:
+            the row id its :class:`BatchEvent` objects carry.
+
+        Raises:
+            RequestError: a bad argument, before any model work.
+        """
+        if "on_round" in kwargs:
+            raise RequestError("on_round is not available for rows of a batch")
+        row = self.pipeline._new_row(prompt, **kwargs)
+        if prompt_cache is not None:
+            self._check_prompt_cache(prompt_cache, len(row.history) - 1)
+        rid = self._next
+        self._next += 1
+        self._pending.append(_Member(rid, row, prompt_cache=prompt_cache))
+        return rid
+
+    def _check_prompt_cache(self, caches: Any, length: int) -> None:
+        want = make_prompt_cache(self.pipeline.model)
+        if not isinstance(caches, (list, tuple)) or len(caches) != len(want):
+            raise RequestError(
+                f"prompt_cache must be a list of the model's {len(want)} per-layer caches "
+                "(mlx_lm.models.cache.make_prompt_cache(model)), got "
+                f"{type(caches).__name__}"
+                + (f" of {len(caches)}" if isinstance(caches, (list, tuple)) else "")
+            )
+        for i, (c, w) in enumerate(zip(caches, want)):
+            if type(c) is not type(w):
+                raise RequestError(
+                    f"prompt_cache layer {i} is a {type(c).__name__}; the model's is a "
+                    f"{type(w).__name__}"
+                )
+            offset = getattr(c, "offset", None)
+            if isinstance(offset, int) and offset != length:
+                raise RequestError(
+                    f"prompt_cache holds {offset} tokens (layer {i}); it must hold every "
+                    f"prompt token but the last: {length}"
+                )
+
+    def cancel(self, rid: int) -> bool:
+        """Drop a request: a queued one at once, a running one before the next round.
+        Returns whether ``rid`` was queued or running."""
+        for m in self._pending:
+            if m.rid == rid:
+                self._pending.remove(m)
+                return True
+        for m in self._rows:
+            if m.rid == rid:
+                m.cancelled = True
+                return True
+        return False
+
+    @property
+    def running(self) -> int:
+        """Rows in the batch now."""
+        return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a row."""
+        return len(self._pending)
+
+    def __len__(self) -> int:
+        return len(self._rows) + len(self._pending)
+
+    def close(self) -> None:
+        """End every request (their sessions end; queued ones are dropped)."""
+        for m in self._rows:
+            self.pipeline._close(m.row)
+        self._rows = []
+        self._pending.clear()
+        self._caches = self._plan = None
+
+    # -- rounds -----------------------------------------------------------------
+
+    def step(self) -> list[BatchEvent]:
+        """Admit queued requests while there is room, then run one round for every row.
+
+        Returns:
+            the round's events, in row order: committed tokens, finished and failed
+            requests.
+        """
+        self._drop([m for m in self._rows if m.cancelled])
+        events: list[BatchEvent] = []
+        joined = []
+        while self._pending and len(self._rows) < self.max_rows:
+            m = self._pending.popleft()
+            try:
+                self._admit(m)
+                joined.append(m)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self.pipeline._close(m.row)
+                events.append(BatchEvent(m.rid, error=exc))
+        now = time.perf_counter()
+        for m in joined:  # decoding starts when every joining prompt has been prefilled
+            m.t_start = now
+        if self._rows:
+            events.extend(self._round())
+        return events
+
+    def _admit(self, m: _Member) -> None:
+        pipe, row = self.pipeline, m.row
+        pipe._open(row, off_reason=self.off_reason, row_id=m.rid, reset_peak=not self._rows)
+        if m.prompt_cache is None:
+            t0 = time.perf_counter()
+            pipe._prefill(row, row.prefill_step)
+            row.stats.prompt_time_s = time.perf_counter() - t0
+            merged = _merged(row.caches)
+        else:
+            readers = [n for n, s in row.sessions if _reads_prefill(s)]
+            if readers:
+                raise RequestError(
+                    f"drafter {readers[0]!r} reads the prompt while it is prefilled; it "
+                    "cannot start from a prompt_cache"
+                )
+            merged = _merged(m.prompt_cache)  # copies: the given caches stay as they were
+        if self._caches is None:
+            plan = build_plan(pipe.host, merged, model=pipe.model, policy=pipe.policy)
+            mx.eval([c.state for c in merged])
+            self._caches, self._plan = merged, plan
+        else:
+            saved = [c.state for c in self._caches]
+            try:
+                for c, o in zip(self._caches, merged):
+                    c.extend(o)
+                mx.eval([c.state for c in self._caches])
+            except BaseException:  # the other rows' caches stay as they were
+                for c, st in zip(self._caches, saved):
+                    c.state = st
+                raise
+        row.caches = self._caches
+        row.stats.rollbacks = self._plan.names() if self.off_reason is None else []
+        self._rows.append(m)
+
+    def _drop(self, gone: list[_Member]) -> None:
+        """Remove rows from the batch (their sessions end; the caches keep the others)."""
+        if not gone:
+            return
+        for m in gone:
+            self.pipeline._close(m.row)
+        keep = [i for i, m in enumerate(self._rows) if m not in gone]
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._caches = self._plan = None
+            return
+        for c in self._caches:
+            c.filter(keep)
+
+    def _round(self) -> list[BatchEvent]:
+        from .pipeline import _is_lazy, _Round
+
+        pipe = self.pipeline
+        members = list(self._rows)
+        failed: dict[int, BaseException] = {}
+        rounds: list = []
+        for i, m in enumerate(members):
+            rnd = _Round(position=len(m.row.history))
+            if not m.row.sessions:  # a plain row: nothing to plan (as a plain request)
+                pipe._choose_acceptor(m.row, rnd)
+                rounds.append(rnd)
+                continue
+            try:
+                pipe._plan(m.row, rnd)
+                if _is_lazy(rnd.block):
+                    rnd.block = tuple(int(t) for t in rnd.block.tolist())
+                    if rnd.chosen is not None:
+                        rnd.proposals[rnd.chosen] = rnd.block
+                else:
+                    rnd.block = tuple(int(t) for t in rnd.block)
+                pipe._choose_acceptor(m.row, rnd)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed[i] = exc
+                rnd = _Round(position=len(m.row.history))
+            rnd.n_fed = 1 + len(rnd.block)
+            rounds.append(rnd)
+        width = max(r.n_fed for r in rounds)
+        rows = [
+            [m.row.history[-1], *r.block] + [m.row.history[-1]] * (width - r.n_fed)
+            for m, r in zip(members, rounds)
+        ]
+        txn = self._plan.begin()
+        t0 = time.perf_counter()
+        try:
+            logits = self._verify(pipe.model, mx.array(rows, dtype=mx.int32), self._caches).logits
+            mx.eval(logits)
+        except Exception as exc:  # noqa: BLE001 - the forward is every row's: all fail
+            return self._fail_all(txn, exc, failed)
+        t_verify = time.perf_counter()
+        keeps, results, accept_s = [], [], []
+        for i, (m, rnd) in enumerate(zip(members, rounds)):
+            result = None
+            t = time.perf_counter()
+            if i not in failed:
+                try:
+                    result = self._accept(m.row, rnd, logits[i, : rnd.n_fed])
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed[i] = exc
+            accept_s.append(time.perf_counter() - t)
+            keeps.append(1 if result is None else result.n_accepted + 1)
+            results.append(result)
+        t_commit = time.perf_counter()
+        try:
+            # One count for all rows when they all keep the same (always so without
+            # drafts): rollbacks without per-row support take it too.
+            txn.commit(width, keeps[0] if len(set(keeps)) == 1 else keeps)
+        except Exception as exc:  # noqa: BLE001 - the caches are every row's: all fail
+            return self._fail_all(txn, exc, failed)
+        t_done = time.perf_counter()
+        self.rounds += 1
+        self.round_time_s += t_done - t0
+        events: list[BatchEvent] = []
+        gone = []
+        for i, (m, rnd, result) in enumerate(zip(members, rounds, results)):
+            stats = m.row.stats
+            # Each row counts the shared forward and commit in full, and its own acceptance.
+            stats.wait_time_s += t_verify - t0 + accept_s[i]
+            if rnd.block:
+                stats.verify_time_s += t_verify - t0 + accept_s[i]
+                stats.commit_time_s += t_done - t_commit
+            stats.batch_rows[len(members)] = stats.batch_rows.get(len(members), 0) + 1
+            if result is not None:
+                try:
+                    pipe._observe(m.row, result)
+                    out: list = []
+                    gen = pipe._emit(
+                        m.row,
+                        list(result.committed),
+                        result.n_accepted,
+                        result.start_position,
+                        m.row.detok,
+                        m.t_start,
+                    )
+                    while True:
+                        try:
+                            out.append(next(gen))
+                        except StopIteration as stop:
+                            ended = stop.value
+                            break
+                    events.extend(BatchEvent(m.rid, response=r) for r in out)
+                    if ended:
+                        gone.append(m)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed[i] = exc
+            events.append(BatchEvent(m.rid, error=failed[i]))
+            gone.append(m)
+        self._drop(gone)
+        return events
+
+    def _fail_all(
+        self, txn: Any, exc: BaseException, failed: dict[int, BaseException]
+    ) -> list[BatchEvent]:
+        """A failure no row can be blamed for: undo the round, end every row with it
+        (rows that had failed already keep their own error)."""
+        gone = list(self._rows)
+        try:
+            txn.abort()
+        finally:
+            self._drop(gone)
+        return [BatchEvent(m.rid, error=failed.get(i, exc)) for i, m in enumerate(gone)]
+
+    def _accept(self, row: Any, rnd: Any, logits: mx.array) -> Any:
+        pipe = self.pipeline
+        rnd.logits = pipe._process(logits, row.history, rnd.block, row.processors)
+        acceptor = pipe._acceptors[rnd.acceptor]
+        positions = range(rnd.position, rnd.position + rnd.n_fed)
+        acc = acceptor.accept(rnd.block, rnd.q, rnd.logits, row.sampler, positions)
+        n_acc = int(acc.n_accepted)
+        if not 0 <= n_acc <= len(rnd.block):
+            raise RuntimeError(
+                f"acceptor {rnd.acceptor!r} accepted {n_acc} of a {len(rnd.block)}-token block"
+            )
+        return pipe._result(row, rnd, n_acc, int(acc.token))
+
+
+def stream_rows(batch: Batch, prompts: Sequence[Any], kwargs: dict) -> Iterator[tuple[int, Any]]:
+    """Queue ``prompts`` in ``batch`` now (bad arguments raise here, before any model
+    work) and return an iterator that runs them to the end, yielding ``(prompt index,
+    response)``; a row's error is raised there (the other rows end with it)."""
+    try:
+        ids = {batch.add(p, **kwargs): i for i, p in enumerate(prompts)}
+    except BaseException:
+        batch.close()
+        raise
+
+    def run() -> Iterator[tuple[int, Any]]:
+        try:
+            while len(batch):
+                for ev in batch.step():
+                    if ev.error is not None:
+                        raise ev.error
+                    yield ids[ev.row], ev.response
+        finally:
+            batch.close()
+
+    return run()
