@@ -225,3 +225,35 @@ def test_a_block_fed_on_a_round_queued_ahead_rolls_back_exactly(arch, strategy):
         st = out.stats
         assert st.lookahead_extended == 2 and st.drafted > 0
         assert (st.accepted > 0) is accepted  # every wrong draft rejected, rolled back
+
+
+@pytest.mark.parametrize("strategy", ["capture", "tape"])
+def test_rows_of_a_batch_roll_back_their_own_gdn_state(arch, strategy):
+    from specdec.testing import check_batch_identity
+
+    model = copy_model(arch)
+    p = list(copy_prompt(arch))
+    prompts = [p, p[3:], p[:12] + p[:12], p[5:]]
+    pol = specdec.Policy(
+        name="ngram-batch",
+        drafters=("ngram_copy",),
+        rollback="gdn_transaction",
+        options={"gdn_transaction": {"strategy": strategy}},
+    )
+    out = check_batch_identity(model, pol, prompts, max_tokens=[24, 16, 20, 24])
+    assert out["max_batch_rows"] == 4 and out["accepted"] > 0
+
+
+def test_rerun_rows_of_a_batch_decode_plainly_with_the_reason(arch):
+    model = copy_model(arch)
+    p = list(copy_prompt(arch))
+    pol = specdec.Policy(
+        name="ngram-rerun",
+        drafters=("ngram_copy",),
+        rollback="gdn_transaction",
+        options={"gdn_transaction": {"strategy": "rerun"}},
+    )
+    res = specdec.assemble(model, policy=pol).generate_batch([p, p[2:]], max_tokens=8)
+    want = specdec.assemble(model, policy="none").generate(p, max_tokens=8).tokens
+    assert res[0].tokens == want and res[0].stats.drafted == 0
+    assert "gdn_transaction:rerun" in res[0].stats.speculation_off_reason

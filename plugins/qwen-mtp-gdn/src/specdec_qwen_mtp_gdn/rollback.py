@@ -15,7 +15,15 @@ the first ``n_keep`` tokens had been fed:
   evaluated: the qkv/a/b projections, the conv and the recurrence).
 
 In all three the conv state after the prefix is a slice of the conv input the
-forward already built (``rerun`` rebuilds it). ``auto`` (the default) picks
+forward already built (``rerun`` rebuilds it).
+
+Rows of a batch (``specdec.Batch``): ``commit(n_fed, n_keep)`` with one ``n_keep``
+per row picks each row's own state: ``capture`` gathers row ``r``'s state after
+its ``n_keep[r]`` tokens from the captured ones, ``tape`` replays each row's
+accepted steps on that row alone, and the conv state is each row's own slice of
+the conv input. ``rerun`` cannot commit rows by different amounts (its
+``supports_batch`` is false: such rows decode plainly). Rows join a batch
+prefilled alone, so their GDN state has no left padding. ``auto`` (the default) picks
 ``capture`` where mlx-lm's ops recurrence runs (CPU, CUDA) and ``tape`` where its
 fused Metal kernel runs (capturing there would split the kernel into one launch
 per token).
@@ -67,15 +75,19 @@ class GatedDeltaTransaction:
         # A transaction left armed (never committed nor aborted) is replaced.
         setattr(cache, ARMED, self)
 
-    def commit(self, n_fed: int, n_keep: int) -> None:
-        """Leave the cache as if only the first ``n_keep`` of the ``n_fed`` tokens had been fed.
+    def commit(self, n_fed: int, n_keep: Any) -> None:
+        """Leave the cache as if only the first ``n_keep`` of the ``n_fed`` tokens had been
+        fed; ``n_keep`` may be a sequence with one count per row of a batch.
 
         Raises:
             CaptureError: the tokens fed did not all go through the recorded layer call
                 (the caller aborts, which restores the cache).
         """
         try:
-            self._commit(int(n_fed), int(n_keep))
+            if isinstance(n_keep, int):
+                self._commit(int(n_fed), int(n_keep))
+            else:
+                self._commit_rows(int(n_fed), [int(k) for k in n_keep])
         finally:
             self._disarm()
 
@@ -89,11 +101,7 @@ class GatedDeltaTransaction:
             delattr(self.cache, ARMED)
         self.segments = []
 
-    def _commit(self, n_fed: int, n_keep: int) -> None:
-        if not 0 <= n_keep <= n_fed:
-            raise ValueError(
-                f"commit needs 0 <= n_keep <= n_fed, got n_fed={n_fed}, n_keep={n_keep}"
-            )
+    def _check_fed(self, n_fed: int) -> None:
         seen = sum(s.n for s in self.segments)
         if seen != n_fed:
             raise CaptureError(
@@ -101,6 +109,48 @@ class GatedDeltaTransaction:
                 f"since begin, but commit says {n_fed} were fed; the model's layer was not "
                 "recorded (unsupported model code?)"
             )
+
+    def _commit_rows(self, n_fed: int, keeps: list[int]) -> None:
+        self._check_fed(n_fed)
+        if len(self.segments) != 1:
+            raise CaptureError(
+                "gdn_transaction: rows of a batch are committed from one forward, got "
+                f"{len(self.segments)}"
+            )
+        seg = self.segments[0]
+        rows = int(seg.inputs.shape[0])
+        if len(keeps) != rows or not all(1 <= k <= n_fed for k in keeps):
+            raise ValueError(f"commit({n_fed}, {keeps}) for a batch of {rows} rows")
+        if all(k == n_fed for k in keeps):
+            return
+        if self.strategy == "capture":
+            states = mx.stack(seg.states, axis=0)  # [n, B, ...]
+            state = states[mx.array([k - 1 for k in keeps]), mx.arange(rows)]
+        elif self.strategy == "tape":
+            fn, q, k, v, g, beta, mask = seg.tape
+            parts = []
+            for r, j in enumerate(keeps):
+                m = None if mask is None else mask[r : r + 1, :j]
+                s0 = None if seg.state_in is None else seg.state_in[r : r + 1]
+                one = (x[r : r + 1, :j] for x in (q, k, v, g, beta))
+                parts.append(fn(*one, s0, m)[1])
+            state = mx.concatenate(parts, axis=0)
+        else:
+            raise CaptureError(
+                f"gdn_transaction: strategy {self.strategy!r} cannot commit the rows of a "
+                "batch by different amounts; use 'capture' or 'tape'"
+            )
+        width = seg.conv_input.shape[1] - seg.n  # K - 1
+        idx = mx.array(keeps)[:, None] + mx.arange(width)[None, :]
+        conv = mx.take_along_axis(seg.conv_input, idx[:, :, None], axis=1)
+        self.cache.cache = [conv, state]
+
+    def _commit(self, n_fed: int, n_keep: int) -> None:
+        if not 0 <= n_keep <= n_fed:
+            raise ValueError(
+                f"commit needs 0 <= n_keep <= n_fed, got n_fed={n_fed}, n_keep={n_keep}"
+            )
+        self._check_fed(n_fed)
         if n_keep == n_fed:
             return
         if n_keep == 0:
@@ -155,6 +205,12 @@ class GatedDeltaRollback:
         self.name = f"{NAME}:{strategy}"
         self._owned: dict[int, tuple[Any, Any]] = {}
 
+    @property
+    def supports_batch(self) -> bool:
+        """Whether it commits the rows of a batch by different amounts (``capture`` and
+        ``tape``; not ``rerun``)."""
+        return self.strategy in ("capture", "tape")
+
     def bind(self, plan: Any) -> None:
         """Map the plan's caches to the model's GDN layers and install the recording wrappers."""
         self._owned = {}
@@ -177,13 +233,14 @@ class GatedDeltaRollback:
             install(sorted(classes, key=lambda c: (c.__module__, c.__qualname__)))
 
     def supports(self, cache: Any) -> bool:
-        """An unpadded two-slot ``ArraysCache`` owned by a GDN layer of the bound model."""
+        """An unpadded two-slot ``ArraysCache`` owned by a GDN layer of the bound model
+        (a batch's cache whose left padding is all zeros counts as unpadded)."""
         entry = self._owned.get(id(cache))
         return (
             entry is not None
             and entry[0] is cache
             and len(cache.cache) == 2
-            and cache.left_padding is None
+            and (cache.left_padding is None or not any(cache.left_padding.tolist()))
             and cache.lengths is None
         )
 
