@@ -239,27 +239,60 @@ def test_malformed_json_and_an_overlong_prompt(server, client):
     assert httpx.get(base + "/health").json()["status"] == "ok"
 
 
-def test_an_error_inside_generation_fails_that_request_only(server, client, monkeypatch):
+def test_an_error_inside_a_round_fails_that_request_only(server, client, monkeypatch):
     base, engine = server
-    pipe = engine.pipe("none")
-    real = pipe.stream
+    batch = engine.batches["none"]
+    real = batch._accept
 
-    def broken(ids, **kw):
-        if kw.get("max_tokens") == 7:
+    def broken(row, rnd, logits):
+        if row.max_tokens == 7 and row.n_out >= 2:
             raise RuntimeError("injected failure")
-        return real(ids, **kw)
+        return real(row, rnd, logits)
 
-    monkeypatch.setattr(pipe, "stream", broken)
-    with pytest.raises(openai.InternalServerError) as e:
-        client.chat.completions.create(
-            model=engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=7
+    monkeypatch.setattr(batch, "_accept", broken)
+    story = [{"role": "user", "content": "Tell me about the sea."}]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long = pool.submit(
+            client.chat.completions.create,
+            model=engine.model_name,
+            messages=story,
+            max_tokens=40,
         )
+        time.sleep(0.5)  # the long request is decoding when the failing one joins
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(
+                model=engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=7
+            )
+        got = long.result(timeout=120)
     assert "injected failure" in str(e.value)
-    ok = client.chat.completions.create(
-        model=engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=5
+    monkeypatch.undo()
+    # the row that shared the batch with the failing one is what it would be alone
+    assert (
+        got.choices[0].message.content == _alone(engine, engine.chat_ids(story), max_tokens=40).text
     )
-    assert ok.usage.completion_tokens >= 1
     assert "specdec_failed_requests_total 1" in httpx.get(base + "/metrics").text
+
+
+def test_concurrent_requests_are_decoded_as_rows_of_one_batch(server, client):
+    _, engine = server
+    msgs = [
+        [{"role": "user", "content": COPY_PROMPT}],
+        [{"role": "user", "content": "Repeat exactly: one two three four five six seven."}],
+    ]
+
+    def one(m):
+        return client.chat.completions.create(
+            model=engine.model_name, messages=m, max_tokens=24, extra_body={"policy": "copy"}
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(one, msgs))
+    rows = [r.model_extra["specdec"]["batch_rows"] for r in got]
+    assert any(int(k) >= 2 for r in rows for k in r), rows
+    assert any(r.model_extra["specdec"]["accepted"] for r in got)
+    for m, r in zip(msgs, got):
+        want = _alone(engine, engine.chat_ids(m), max_tokens=24).text
+        assert r.choices[0].message.content == want
 
 
 def test_a_client_that_disconnects_frees_the_worker(server, client):

@@ -206,6 +206,7 @@ def _specdec_object(policy: str, stats: dict) -> dict:
         "per_drafter": per,
         "speculation_off_reason": stats.get("speculation_off_reason"),
         "decode_tps": stats.get("decode_tps"),
+        "batch_rows": {str(k): v for k, v in (stats.get("batch_rows") or {}).items()},
     }
 
 
@@ -261,7 +262,7 @@ class Server:
             {
                 "status": "ok" if alive else "worker stopped",
                 "model": e.model_name,
-                "queue_length": e.jobs.qsize(),
+                "queue_length": e.queue_length,
                 "running": e.running,
                 "policies": list(e.policy_specs),
                 "default_policy": e.default_policy,
@@ -271,7 +272,7 @@ class Server:
 
     async def metrics(self, request: Request) -> PlainTextResponse:
         self.engine.metrics.request("/metrics", 200)
-        text = self.engine.metrics.render(self.engine.jobs.qsize(), self.engine.running)
+        text = self.engine.metrics.render(self.engine.queue_length, self.engine.running)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> JSONResponse:
@@ -568,7 +569,7 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
         finally:
-            job.cancelled.set()  # a client that went away: the worker stops at its next token
+            job.cancelled.set()  # a client that went away: its row leaves at the next round
 
 
 def make_app(engine: Engine) -> Starlette:

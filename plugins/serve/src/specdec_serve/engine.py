@@ -1,11 +1,19 @@
 """The engine behind ``specdec serve``: one model, a pipeline per policy, a worker thread.
 
 Requests are validated on the event loop (before any model work) and queued as
-:class:`Job` objects; one worker thread runs them through ``Pipeline.stream``
-one at a time, in arrival order, and hands every committed token back to the
-request's asyncio queue. A request whose client went away is skipped, or stopped
-at its next token. An exception inside a request fails that request only: the
-pipeline makes fresh caches for every request, so nothing of it outlives it.
+:class:`Job` objects. One worker thread decodes them with continuous batching:
+each policy whose components support batched rows has a :class:`specdec.Batch`
+of up to ``max_batch`` rows; between rounds new requests join it (their prompt
+is prefilled, then their cache joins the batch's) and finished, failed or
+cancelled ones leave it. Every round is one target forward for all the rows of
+that policy's batch; batches of different policies take turns, a round each.
+A policy that cannot run rows of a batch (a drafter without ``supports_batch``)
+runs each request alone through ``Pipeline.stream``, a token per turn of the
+worker, taking turns with the batches' rounds. Every committed token goes back
+to the request's asyncio queue. A request whose client went away leaves its
+batch at the next round. An exception inside a round fails only the requests it
+concerns: a row's own (drafter, acceptor) fails that row, the caches of the
+other rows stay as they were.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import specdec
+
+#: Requests decoded together per policy, by default.
+DEFAULT_MAX_BATCH = 8
 
 
 class Job:
@@ -73,13 +84,22 @@ class Metrics:
             key = (endpoint, status)
             self.requests[key] = self.requests.get(key, 0) + 1
 
-    def finished(self, stats: dict) -> None:
-        """Add one request's final stats."""
+    def rounds(self, n: int, seconds: float) -> None:
+        """Add ``n`` decoding rounds (target forwards) that took ``seconds`` in all."""
+        with self.lock:
+            self.target_forwards += n
+            self.decode_seconds += seconds
+
+    def finished(self, stats: dict, *, alone: bool = False) -> None:
+        """Add one request's final stats (its rounds too when it ran ``alone``: a
+        batch's rounds are added by :meth:`rounds`, once for all their rows)."""
+        if alone:
+            self.rounds(
+                int(stats.get("target_forwards") or 0), float(stats.get("decode_time_s") or 0)
+            )
         with self.lock:
             self.generated_tokens += int(stats.get("generation_tokens") or 0)
             self.prompt_tokens += int(stats.get("prompt_tokens") or 0)
-            self.target_forwards += int(stats.get("target_forwards") or 0)
-            self.decode_seconds += float(stats.get("decode_time_s") or 0.0)
             for name, d in (stats.get("per_drafter") or {}).items():
                 self.drafted[name] = self.drafted.get(name, 0) + int(d.get("drafted") or 0)
                 self.accepted[name] = self.accepted.get(name, 0) + int(d.get("accepted") or 0)
@@ -142,7 +162,8 @@ class Metrics:
             metric(
                 "specdec_target_forwards_total",
                 "counter",
-                "Forward passes of the target model while decoding (one per round).",
+                "Forward passes of the target model while decoding (one per round; a "
+                "batch's round is one forward for all its rows).",
                 [("", self.target_forwards)],
             )
             metric(
@@ -178,7 +199,7 @@ class Metrics:
             metric(
                 "specdec_round_seconds",
                 "summary",
-                "Decode time per round (one target forward each): sum and count.",
+                "Time of the decoding rounds (one target forward each): sum and count.",
                 [("_sum", round(self.decode_seconds, 6)), ("_count", self.target_forwards)],
             )
             metric(
@@ -214,7 +235,11 @@ class Engine:
         policies: Sequence[str] = ("none",),
         *,
         model_name: str | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise specdec.PolicyError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.max_batch = max_batch
         if not policies:
             raise specdec.PolicyError("give at least one policy")
         self._pipes_lock = threading.Lock()
@@ -235,6 +260,12 @@ class Engine:
         pipe.prepare()
         for name in self.policy_specs:  # every offered policy assembles before serving
             self.pipe(name).prepare()
+        #: the batch of each policy that runs rows together (made on first use), and
+        #: why a policy cannot (its requests then run alone, a token per turn).
+        self.batches: dict[str, Any] = {}
+        self.unbatched: dict[str, str] = {}
+        for name in self.policy_specs:  # and says whether it can batch
+            self._batch(name)
         source = specdec.model_source(self.model)
         self.model_path = str(source) if source is not None else str(model)
         self.model_name = model_name or os.path.basename(os.path.normpath(self.model_path))
@@ -242,7 +273,9 @@ class Engine:
         self.context_length = getattr(args, "max_position_embeddings", None)
         self.metrics = Metrics()
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.running = 0
+        self._members: dict[tuple[str, int], Job] = {}
+        #: requests of policies that cannot batch: (job, its stream), a token each per loop.
+        self._alone: list[tuple[Job, Any]] = []
         self._worker = threading.Thread(target=self._work, name="specdec-serve-worker", daemon=True)
         self._worker.start()
 
@@ -318,41 +351,149 @@ class Engine:
         """Stop the worker after the job it is running."""
         self.jobs.put(None)
 
+    @property
+    def running(self) -> int:
+        """Requests being generated now (rows of batches, and those running alone)."""
+        return sum(b.running for b in list(self.batches.values())) + len(self._alone)
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting: for the worker, or for a row of their policy's batch."""
+        return self.jobs.qsize() + sum(b.queued for b in list(self.batches.values()))
+
+    def _batch(self, policy: str) -> Any:
+        """The batch of ``policy``, or ``None`` when its components cannot run rows."""
+        if policy in self.unbatched:
+            return None
+        b = self.batches.get(policy)
+        if b is None:
+            try:
+                b = self.pipe(policy).batch(self.max_batch)
+            except specdec.PolicyError as exc:
+                self.unbatched[policy] = str(exc)
+                return None
+            self.batches[policy] = b
+        return b
+
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                with self.metrics.lock:
-                    self.metrics.cancelled += 1
-                continue
-            self.running += 1
+            busy = bool(self._alone) or any(len(b) for b in self.batches.values())
             try:
-                self._run(job)
-            finally:
-                self.running -= 1
+                job = self.jobs.get(block=not busy)
+            except queue.Empty:
+                job = False
+            while job is not False:
+                if job is None:
+                    self._shutdown()
+                    return
+                self._take(job)
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    job = False
+            for policy, b in list(self.batches.items()):
+                if len(b):
+                    self._round(policy, b)
+            for item in list(self._alone):
+                self._advance(*item)
 
-    def _run(self, job: Job) -> None:
+    def _shutdown(self) -> None:
+        """The server is going down: end every request still running or waiting."""
+        gone = RuntimeError("the server is shutting down")
+        for job in self._members.values():
+            job.emit(("error", gone))
+        for job, stream in self._alone:
+            stream.close()
+            job.emit(("error", gone))
+        self._members.clear()
+        self._alone.clear()
+        for b in self.batches.values():
+            b.close()
+
+    def _take(self, job: Job) -> None:
+        """A new job: into its policy's batch, or alone when the policy cannot batch."""
+        if job.cancelled.is_set():
+            with self.metrics.lock:
+                self.metrics.cancelled += 1
+            return
         try:
             pipe = self.pipe(job.policy)
             pipe.prepare()  # once per pipeline: e.g. the verify cost curve
-            stream = pipe.stream(job.prompt_ids, **job.params)
-            last = None
-            try:
-                for r in stream:
-                    if job.cancelled.is_set():
-                        with self.metrics.lock:
-                            self.metrics.cancelled += 1
-                        return
-                    job.emit(("token", r))
-                    last = r
-            finally:
-                stream.close()
-            stats = last.stats.to_dict() if last is not None and last.stats is not None else {}
-            self.metrics.finished(stats)
-            job.emit(("done", stats, last.finish_reason if last is not None else "stop"))
+            b = self._batch(job.policy)
+            if b is None:
+                self._alone.append((job, pipe.stream(job.prompt_ids, **job.params)))
+                return
+            rid = b.add(job.prompt_ids, **job.params)
         except Exception as exc:  # this request fails; the server and other requests go on
-            with self.metrics.lock:
-                self.metrics.failed += 1
-            job.emit(("error", exc))
+            self._failed(job, exc)
+            return
+        self._members[(job.policy, rid)] = job
+
+    def _failed(self, job: Job, exc: BaseException) -> None:
+        with self.metrics.lock:
+            self.metrics.failed += 1
+        job.emit(("error", exc))
+
+    def _round(self, policy: str, b: Any) -> None:
+        """One round of ``policy``'s batch; its events go to their jobs."""
+        for (pol, rid), job in list(self._members.items()):
+            if pol == policy and job.cancelled.is_set() and b.cancel(rid):
+                del self._members[(pol, rid)]
+                with self.metrics.lock:
+                    self.metrics.cancelled += 1
+        rounds, seconds = b.rounds, b.round_time_s
+        try:
+            events = b.step()
+        except Exception as exc:  # noqa: BLE001 - a bug in the batch: its requests fail
+            for (pol, rid), job in list(self._members.items()):
+                if pol == policy:
+                    del self._members[(pol, rid)]
+                    self._failed(job, exc)
+            b.close()
+            self.batches.pop(policy, None)
+            return
+        self.metrics.rounds(b.rounds - rounds, b.round_time_s - seconds)
+        for ev in events:
+            job = self._members.get((policy, ev.row))
+            if job is None:
+                continue
+            if ev.error is not None:
+                del self._members[(policy, ev.row)]
+                self._failed(job, ev.error)
+                continue
+            r = ev.response
+            job.emit(("token", r))
+            if r.finish_reason is not None:
+                del self._members[(policy, ev.row)]
+                stats = r.stats.to_dict() if r.stats is not None else {}
+                self.metrics.finished(stats)
+                job.emit(("done", stats, r.finish_reason))
+
+    def _advance(self, job: Job, stream: Any) -> None:
+        """One token of a request running alone (its policy cannot batch), so that it
+        takes turns with the batches' rounds."""
+        done = False
+        try:
+            if job.cancelled.is_set():
+                done = True
+                with self.metrics.lock:
+                    self.metrics.cancelled += 1
+                return
+            try:
+                r = next(stream)
+            except StopIteration:  # pragma: no cover - the last response ends it first
+                done = True
+                return
+            job.emit(("token", r))
+            if r.finish_reason is not None:
+                done = True
+                stats = r.stats.to_dict() if r.stats is not None else {}
+                self.metrics.finished(stats, alone=True)
+                job.emit(("done", stats, r.finish_reason))
+        except Exception as exc:  # this request fails; the server and other requests go on
+            done = True
+            self._failed(job, exc)
+        finally:
+            if done:
+                stream.close()
+                self._alone = [(j, s) for j, s in self._alone if j is not job]
