@@ -23,6 +23,12 @@ STRATEGIES = ("capture", "tape", "rerun")
 @pytest.mark.parametrize("config", ["tiny-qwen3-next", "tiny-qwen3-5"])
 def test_bench_reports_commit_cost_per_strategy(capsys, tmp_path, config):
     details = tmp_path / "bench.json"
+    # The ladder sizing drafts on every match: the cost sizing may find that no block
+    # pays on a random model whose drafts are all rejected (it depends on the timings).
+    policy = tmp_path / "ngram-ladder.toml"
+    policy.write_text(
+        'name = "ngram"\ndrafters = ["ngram_copy"]\n\n[options.ngram_copy]\nsizing = "ladder"\n'
+    )
     rc = main(
         [
             "bench",
@@ -30,7 +36,7 @@ def test_bench_reports_commit_cost_per_strategy(capsys, tmp_path, config):
             str(DATA / config),
             "--random-weights",
             "--policy",
-            "ngram",
+            str(policy),
             "--sweep",
             f"gdn_transaction.strategy={','.join(STRATEGIES)}",
             "-w",
