@@ -28,7 +28,7 @@ if _blas_status.action == "too_late":
         stacklevel=2,
     )
 
-from . import options
+from . import distributed, options
 from .batch import Batch, BatchEvent, BatchKVRollback
 from .capture import ModelTaps, TapError, model_taps
 from .costs import (
@@ -39,6 +39,7 @@ from .costs import (
     best_block,
     profile_verify_cost,
 )
+from .distributed import DistributedError
 from .errors import (
     ModelLoadError,
     PluginConflictError,
@@ -91,7 +92,7 @@ from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.5"
+__version__ = "0.2.6"
 
 __all__ = [
     "CAPABILITIES",
@@ -129,6 +130,7 @@ __all__ = [
     "RollbackUnavailable",
     "RotatingWindowRollback",
     "TapError",
+    "DistributedError",
     "ModelLoadError",
     "PRESETS",
     "Pipeline",
@@ -161,6 +163,7 @@ __all__ = [
     "model_source",
     "model_taps",
     "model_vocab_size",
+    "distributed",
     "options",
     "output_layer",
     "profile_verify_cost",

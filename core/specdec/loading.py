@@ -113,6 +113,7 @@ def load_model(
     what: str = "model",
     random_weights: bool = False,
     seed: int = 0,
+    lazy: bool = False,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` with mlx-lm from a folder or Hub id.
 
@@ -124,6 +125,8 @@ def load_model(
             weights. Only for a local folder with no ``*.safetensors``; its tokenizer
             files are used when it has them, else a :class:`ByteTokenizer`.
         seed: the initialisation seed with ``random_weights``.
+        lazy: leave the weights unevaluated (mlx-lm's ``lazy=True``): a model about to be
+            sharded then reads only its shard's slices when evaluated.
 
     Raises:
         ModelLoadError: naming the path and the underlying problem.
@@ -138,7 +141,7 @@ def load_model(
     from mlx_lm import load
 
     try:
-        model, tokenizer = load(str(folder) if folder.exists() else s)
+        model, tokenizer = load(str(folder) if folder.exists() else s, lazy=lazy)
     except Exception as exc:
         raise ModelLoadError(
             f"could not load {what} {s!r}: {type(exc).__name__}: {exc}. Point it at a local mlx-lm "

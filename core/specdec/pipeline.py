@@ -20,6 +20,16 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptors import auto_acceptor
 from .costs import CostModel
+from .distributed import (
+    START,
+    DistributedError,
+    RankSync,
+    adopt_sharding,
+    collectives_per_forward,
+    launched_world,
+    model_sharding,
+    shard_model,
+)
 from .errors import ModelLoadError, PolicyError, RequestError, UnknownComponentError
 from .heads import model_vocab_size
 from .plugins import PluginHost, get_plugin_host
@@ -128,6 +138,10 @@ class _Row:
     #: the incremental detokenizer and the cost model in use (set by ``_open``).
     detok: Any = None
     cost: Any = None
+    #: the request's state in the ranks' synchronisation (a sharded model only).
+    sync: Any = None
+    #: prefill forwards (a sharded model's prefill collectives).
+    prefill_forwards: int = 0
 
 
 #: Rounds in a row without a draft after which the next round is queued ahead, as a
@@ -310,9 +324,18 @@ class Pipeline:
                 f"drafters ask for decoder layers {layers} but verifier {policy.verifier!r} "
                 "cannot be told which layers to capture (it has no bind(model, layers=...))"
             )
+        #: The ranks' synchronisation when the model is sharded across processes.
+        self.sharding = model_sharding(model)
+        self.ranks = (
+            RankSync(self.sharding, policy.max_block, self.drafters)
+            if self.sharding is not None
+            else None
+        )
         #: Whether idle rounds may be queued ahead (no drafter reads the caches in
-        #: propose; see :meth:`_start_lookahead`).
-        self._lookahead = not any("kv" in getattr(d, "needs", ()) for d in self.drafters)
+        #: propose, the model is not sharded; see :meth:`_start_lookahead`).
+        self._lookahead = self.ranks is None and not any(
+            "kv" in getattr(d, "needs", ()) for d in self.drafters
+        )
         #: draft heads by drafter name (shared: built once per (model, head, options)).
         self.heads: dict[str, Any] = {}
         for d in self.drafters:
@@ -335,7 +358,7 @@ class Pipeline:
                 attach(model, tokenizer)
         #: the verify cost curve of this model on this device, when a drafter reads it.
         self.cost_model: CostModel | None = None
-        if any(getattr(d, "uses_verify_cost", False) for d in self.drafters):
+        if self.ranks is None and any(getattr(d, "uses_verify_cost", False) for d in self.drafters):
             # Profiled with the built-in logits verifier: the cost of the model's own
             # forward, whatever verifier the policy names (a plugin's verifier may keep
             # state that profiling forwards must not touch).
@@ -508,6 +531,11 @@ class Pipeline:
         """
         from .batch import Batch
 
+        if self.ranks is not None:
+            raise PolicyError(
+                f"batched decoding is not supported on a model sharded across "
+                f"{self.sharding.ranks} ranks yet; decode one request at a time (Pipeline.stream)"
+            )
         return Batch(self, self.policy.max_batch if max_rows is None else max_rows)
 
     def stream_batch(
@@ -683,6 +711,9 @@ class Pipeline:
         return row
 
     def _run(self, row: _Row, on_round: Callable | None) -> Iterator[StreamResponse]:
+        if self.ranks is not None:
+            yield from self._run_ranked(row, on_round)
+            return
         try:
             plan = self._open(row)
             t0 = time.perf_counter()
@@ -691,6 +722,59 @@ class Pipeline:
             yield from self._decode(row, plan, row.detok, on_round)
         finally:
             self._close(row)
+
+    def _run_ranked(self, row: _Row, on_round: Callable | None) -> Iterator[StreamResponse]:
+        """A request on a sharded model: as :meth:`_run`, with the ranks kept in step
+        (see :mod:`specdec.distributed`): rank 0's seed, one synchronisation before each
+        verify forward and one at the end; a failure on this rank completes the forward
+        the other ranks run and tells them at their next synchronisation."""
+        ranks = self.ranks
+        st = row.sync = ranks.open()
+        s = row.sampler
+        request = [
+            row.max_tokens,
+            round(s.temperature * 1e6),
+            round(s.top_p * 1e6),
+            s.top_k,
+            round(s.min_p * 1e6),
+            s.min_tokens_to_keep,
+            len(row.stop_ids),
+            *sorted(row.stop_ids)[:8],
+            len(row.stop_strings),
+            len(row.processors),
+        ]
+        try:
+            seed = ranks.start(st, row.history, request, s.seed)
+            row.sampler = attrs.evolve(s, seed=seed)
+            try:
+                plan = self._open(row)
+            except BaseException as exc:
+                ranks.fail(st, row.history, exc, phase=START)
+                raise
+            ranks.opened(st, row.history)
+            t0 = time.perf_counter()
+            self._prefill(row, row.prefill_step)
+            row.stats.prompt_time_s = time.perf_counter() - t0
+            yield from self._decode(row, plan, row.detok, on_round)
+            ranks.finish(st, row.history)
+        except DistributedError:
+            raise  # raised alike on every rank at a synchronisation: nothing owed
+        except GeneratorExit:
+            ranks.fail(st, row.history, None)
+            raise
+        except BaseException as exc:
+            ranks.fail(st, row.history, exc, rerun=lambda: self._rerun_owed(row))
+            raise
+        finally:
+            self._close(row)
+
+    def _rerun_owed(self, row: _Row) -> None:
+        """Run the model's own forward over the round this rank owes the other ranks (it
+        failed after the round's synchronisation, before its verify forward was built):
+        the collectives stay paired. The request is failing: what it writes to this
+        request's caches is never read."""
+        fed = row.sync.owed
+        mx.eval(self.model(mx.array([list(fed)]), cache=row.caches))
 
     def _open(
         self,
@@ -790,15 +874,34 @@ class Pipeline:
         sessions with a ``prefill`` method see every chunk's result (hidden states too)."""
         prompt, caches = row.history, row.caches
         listeners = [s.prefill for _, s in row.sessions if callable(getattr(s, "prefill", None))]
+        failed: BaseException | None = None
         for start in range(0, len(prompt) - 1, step):
             chunk = prompt[start : min(start + step, len(prompt) - 1)]
-            vr = self.verifier.verify(self.model, mx.array(chunk), caches)
-            if listeners:
-                record = PrefillChunk(tokens=tuple(chunk), start_position=start, result=vr)
-                for listen in listeners:
-                    listen(record)
-            # The chunk's logits are never read: only the caches are evaluated.
-            mx.eval([c.state for c in caches])
+            row.prefill_forwards += 1
+            if failed is not None:
+                # A sharded model's ranks feed every chunk (their collectives pair up);
+                # this rank failed on an earlier one and says so at the first round.
+                mx.eval(self.model(mx.array([chunk]), cache=caches))
+                continue
+            vr = None
+            try:
+                vr = self.verifier.verify(self.model, mx.array(chunk), caches)
+                if listeners:
+                    record = PrefillChunk(tokens=tuple(chunk), start_position=start, result=vr)
+                    for listen in listeners:
+                        listen(record)
+                # The chunk's logits are never read: only the caches are evaluated.
+                mx.eval([c.state for c in caches])
+            except Exception as exc:
+                if self.ranks is None:
+                    raise
+                failed = exc
+                if vr is not None:  # the chunk's forward was built: run it to the end
+                    mx.eval(vr.logits, [c.state for c in caches])
+                else:
+                    mx.eval(self.model(mx.array([chunk]), cache=caches))
+        if failed is not None:
+            raise failed
 
     # -- the loop -------------------------------------------------------------------
 
@@ -823,7 +926,7 @@ class Pipeline:
             else:
                 rnd = self._adopt(row, plan, queued)
             queued = None
-            more = on_round is None and row.n_out + 1 < row.max_tokens
+            more = on_round is None and self.ranks is None and row.n_out + 1 < row.max_tokens
             if plain and more:
                 queued = self._start_round(row, plan, rnd)
             elif (
@@ -853,6 +956,8 @@ class Pipeline:
                 ended = yield from self._emit(
                     row, list(result.committed), result.n_accepted, pos, detok, t_start
                 )
+                if row.sync is not None:
+                    self.ranks.round_done(row.sync)
             finally:
                 # An error, the end of the stream, or a consumer that closed it: undo a
                 # round queued ahead (plain decoding's queued step has no transaction).
@@ -889,6 +994,8 @@ class Pipeline:
         if not row.sessions:  # a plain step, sampled lazily
             position = len(row.history) + (1 if after is not None else 0)
             tok = after.lazy_token if after is not None else mx.array(row.history[-1:])
+            if row.sync is not None:
+                self.ranks.round(row.sync, row.history, _Round(position=position))
             logits = self.verifier.verify(self.model, tok, row.caches).logits
             if row.processors:
                 if after is None:
@@ -899,11 +1006,28 @@ class Pipeline:
                     logits = p(row.hist_arr, logits)
             y = sampler.sample_lazy(logits[-1:], position)
             self._launch(row, y)
+            if row.sync is not None:
+                self.ranks.launched(row.sync, y)
             return _Round(position=position, lazy_token=y, t_launch=time.perf_counter())
         rnd = _Round(position=len(row.history))
         self._plan(row, rnd)
+        if row.sync is not None:
+            self._sync_round(row, rnd)
         self._launch_round(row, plan, rnd)
         return rnd
+
+    def _sync_round(self, row: _Row, rnd: _Round) -> None:
+        """A sharded model's round: every rank verifies rank 0's block (the block-size
+        histogram counts that one)."""
+        sizes = row.stats.block_sizes
+        k = 0 if rnd.chosen is None else rnd.block.size if _is_lazy(rnd.block) else len(rnd.block)
+        self.ranks.round(row.sync, row.history, rnd)
+        k0 = 0 if rnd.chosen is None else len(rnd.block)
+        if k0 != k:
+            sizes[k] -= 1
+            if not sizes[k]:
+                del sizes[k]
+            sizes[k0] = sizes.get(k0, 0) + 1
 
     def _plan(self, row: _Row, rnd: _Round) -> None:
         """Ask the governor and the drafters, in policy order, for this round's block."""
@@ -962,6 +1086,8 @@ class Pipeline:
             rnd.vr = vr if on is None else _joined(on.vr, vr)
             rnd.logits = self._process(rnd.vr.logits, row.history, rnd.block, row.processors)
             self._launch(row, rnd.logits)
+            if row.sync is not None:
+                self.ranks.launched(row.sync, rnd.logits)
         except BaseException:
             rnd.txn.abort()
             raise
@@ -1212,6 +1338,11 @@ class Pipeline:
         stats.generation_tokens = row.n_out
         stats.finish_reason = reason
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        if row.sync is not None:
+            # the synchronisation at the end of the request counts too
+            stats.distributed = self.ranks.stats(
+                row.sync, row.prefill_forwards, row.n_out, final_sync=True
+            )
         if row.governor is not None:
             stats.governor = dict(row.governor.stats())
         shown: dict[str, Any] = {}  # key -> head object
@@ -1264,6 +1395,7 @@ def assemble(
     *,
     draft_model: Any = None,
     host: PluginHost | None = None,
+    distributed: bool | None = None,
 ) -> Pipeline:
     """Build a :class:`Pipeline` from a model (or path / Hub id) and a policy.
 
@@ -1275,10 +1407,19 @@ def assemble(
         policy: a :class:`Policy`, preset name, TOML path or dict.
         draft_model: shorthand: adds the ``draft_model`` drafter with this model (path or object).
         host: a plugin host (default: the process-wide one).
+        distributed: shard the model across the ranks of a distributed job (this process
+            started by ``mlx.launch`` or ``mpirun`` as one of several ranks; see
+            :mod:`specdec.distributed`). ``None`` (default): a model loaded from a path is
+            sharded when the process is one of several ranks, and a model object is used
+            as it is (already sharded, e.g. by mlx-lm's ``sharded_load``: its ranks are
+            kept in step; else a whole model on every rank, decoding independently).
+            ``True``: shard a model object too, in place, and fail when this process is
+            not one of several ranks. ``False``: never shard.
 
     Raises:
         PolicyError / UnknownComponentError: bad policy or component names (before loading the model).
-        ModelLoadError: the model cannot be loaded.
+        ModelLoadError: the model cannot be loaded, or cannot be split across the ranks.
+        DistributedError: ``distributed=True`` in a process that is not one of several ranks.
     """
     pol = load_policy(policy)
     if draft_model is not None:
@@ -1305,6 +1446,13 @@ def assemble(
         h.get("acceptor", pol.acceptor)
     if pol.rollback != AUTO:
         h.get("cache_rollback", pol.rollback)
+    world = None if distributed is False else launched_world()
+    if distributed and world is None:
+        raise DistributedError(
+            "distributed=True, but this process is not one of several ranks: start it with "
+            "mlx.launch (e.g. mlx.launch --backend ring -n 2 --hosts 127.0.0.1 script.py) "
+            "or mpirun"
+        )
     if model_or_path is None or isinstance(model_or_path, (str, os.PathLike)):
         from .loading import check_model_path, load_model
 
@@ -1317,8 +1465,16 @@ def assemble(
                 raise ModelLoadError(f"no default model available: {exc}") from exc
             model_or_path = default_model_path()
         check_model_path(model_or_path)
-        model, tok = load_model(model_or_path)
+        # Sharded: loaded lazily, so each rank materialises only its shard's weights.
+        model, tok = load_model(model_or_path, lazy=world is not None)
         tokenizer = tokenizer or tok
+        if world is not None:
+            shard_model(model, world)
     else:
         model = model_or_path
+        if world is not None and model_sharding(model) is None:
+            if collectives_per_forward(model) > 0:
+                adopt_sharding(model, world)
+            elif distributed:
+                shard_model(model, world)
     return Pipeline(model, tokenizer, pol, host=h)

@@ -405,6 +405,11 @@ class BaseDrafter:
     #: Whether its sessions read ``ctx.cost`` (the pipeline then builds a
     #: :class:`specdec.CostModel`, profiling the model once per device).
     uses_verify_cost: bool = False
+    #: Whether its proposals (block and ``q``) depend only on the history and the
+    #: target's outputs, never on anything local to a process (timings, randomness):
+    #: on a model sharded across ranks, ``q`` is then not broadcast from rank 0 when
+    #: every rank proposed the same block.
+    deterministic: bool = False
 
     def session(self, ctx: RequestContext) -> DrafterSession:  # pragma: no cover
         """Start a request; subclasses override."""

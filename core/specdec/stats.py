@@ -55,6 +55,16 @@ class Stats:
             forwards ran but are not in ``target_forwards``, which counts the rounds
             whose forward was used.
         verify_cost: the pipeline's cost model's ``stats()`` (empty without one).
+        distributed: on a model sharded across ranks (:mod:`specdec.distributed`):
+            ``ranks``, ``rank``, ``kind``, ``method``, ``collectives_per_forward`` (this
+            rank's collective operations per model forward), ``decode_forwards``,
+            ``model_collectives`` (forwards times that), ``sync_collectives`` (the ranks'
+            synchronisations: two per request, one per round, one at the end, two more
+            per broadcast of draft probabilities), ``collectives`` (their sum),
+            ``collectives_per_token`` (per generated token), ``prefill_collectives``,
+            ``block_overrides`` (rounds in which this rank's drafter proposed another
+            block than rank 0's, which every rank verified) and ``q_broadcasts``; empty
+            otherwise.
         batch_rows: ``{rows: rounds}`` for a request decoded as a row of a batch: how
             many rounds ran with that many rows in the forward (empty when alone).
         finish_reason: ``"stop"`` or ``"length"``.
@@ -87,6 +97,7 @@ class Stats:
     lookahead_extended: int = 0
     lookahead_aborts: int = 0
     verify_cost: dict = attrs.field(factory=dict)
+    distributed: dict = attrs.field(factory=dict)
     batch_rows: dict = attrs.field(factory=dict)
     finish_reason: str | None = None
 
@@ -160,6 +171,9 @@ class Stats:
             rounds = sum(self.batch_rows.values())
             mean = sum(b * n for b, n in self.batch_rows.items()) / rounds
             s += f", in a batch of {mean:.1f} rows on average"
+        if self.distributed:
+            d = self.distributed
+            s += f", {d['ranks']} ranks, {d['collectives_per_token']:.1f} collectives/token"
         if self.speculation_off_reason:
             s += f", speculation off: {self.speculation_off_reason}"
         return s

@@ -6,6 +6,7 @@ Every bad argument is reported before the model is loaded.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -23,9 +24,11 @@ from .plot import MATPLOTLIB_MISSING, matplotlib_available, plot_results
 from .progress import Progress
 from .runner import (
     BASELINES,
+    distributed_table,
     exactness_table,
     rounds_table,
     run_bench,
+    single_comparison_table,
     spec_baseline_table,
     sweep_policies,
     total_steps,
@@ -160,6 +163,21 @@ def add_bench_parser(sub: Any, func: Any) -> None:
         help="measure batched decoding instead: each workload's prompt as B rows at every "
         "batch size given, aggregate decode tok/s of the policy vs 'none' vs mlx-lm's "
         "batch_generate (greedy; with --workload, --runs, --max-tokens, --json)",
+    )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="measure on the model sharded across the ranks of this distributed job "
+        "(run under mlx.launch, e.g. mlx.launch --backend ring -n 2 --hosts 127.0.0.1 "
+        "specdec bench --distributed ...): tensor parallel, every rank runs every request, "
+        "rank 0 prints; adds collectives per generated token off and on",
+    )
+    p.add_argument(
+        "--compare-single",
+        action="store_true",
+        help="with --distributed: after the sharded runs, rank 0 runs the same workloads on "
+        "the whole model alone while the other ranks wait idle (every rank on one host), "
+        "and the ratios are printed side by side",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=func)
@@ -350,6 +368,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
             _check_batch(specdec.get_plugin_host(), policy, max(batches))
         except specdec.PolicyError as exc:
             raise CliError(f"--batch: {exc}") from exc
+    world = None
+    if args.compare_single and not args.distributed:
+        raise CliError("--compare-single goes with --distributed")
+    if args.distributed:
+        if batches is not None:
+            raise CliError(
+                "--distributed does not take --batch (batched decoding of a sharded "
+                "model is not supported yet)"
+            )
+        from ..distributed import launched_world
+
+        world = launched_world()
+        if world is None:
+            raise CliError(
+                "--distributed measures a model sharded across the ranks of a distributed job, "
+                "but this process is not one of several ranks: run it under mlx.launch, e.g. "
+                "mlx.launch --backend ring -n 2 --hosts 127.0.0.1 specdec bench --distributed"
+            )
     model_spec = check_model_spec(args.model, "--model") if args.model else None
     if args.random_weights and model_spec is None:
         raise CliError("--random-weights needs --model FOLDER (a folder with a config.json)")
@@ -362,12 +398,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # 2. the model, once
     try:
         model, tokenizer = load_model(
-            model_spec, random_weights=args.random_weights, seed=args.seed
+            model_spec, random_weights=args.random_weights, seed=args.seed, lazy=world is not None
         )
     except specdec.SpecdecError:
         raise
     except (OSError, ValueError) as exc:  # pragma: no cover - load_model wraps these
         raise CliError(f"cannot load model {model_spec!r}: {exc}") from exc
+    speaks = True  # rank 0 of a distributed job, or a single process
+    sharding = None
+    if world is not None:
+        from ..distributed import shard_model
+
+        sharding = shard_model(model, world)
+        speaks = sharding.rank == 0
     if args.dtype is not None:
         import mlx.core as mx
 
@@ -376,51 +419,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if batches is not None:
         return _batch_bench(args, model, tokenizer, model_spec, workloads, policy, batches)
 
-    progress = Progress(
-        total_steps(
-            len(workloads),
-            len(temps),
-            args.runs,
-            args.baseline is not None,
-            n_policies=len(policies),
-        ),
-        sys.stderr,
-        enabled=not args.no_progress,
-    )
     measured = ", ".join(p.name for p in policies)
     print(
         f"specdec bench: model {model_spec}"
         + (f" (random weights, seed {args.seed})" if args.random_weights else "")
         + (f" cast to {args.dtype}" if args.dtype else "")
+        + (
+            f", sharded across {sharding.ranks} ranks ({sharding.method}, "
+            f"{sharding.collectives_per_forward} collectives per forward)"
+            if sharding is not None
+            else ""
+        )
         + f", policy {measured} vs none, "
         f"{args.runs} run(s) each, {args.max_tokens} tokens, temp {', '.join(f'{t:g}' for t in temps)}, "
         f"seed {args.seed}" + (f", baseline {args.baseline}" if args.baseline else ""),
-        file=sys.stderr,
+        file=sys.stderr if speaks else io.StringIO(),
         flush=True,
     )
-    try:
-        results = run_bench(
-            model,
-            tokenizer,
-            workloads,
-            policies=policies,
-            runs=args.runs,
-            temps=temps,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-            baseline=args.baseline,
-            score_faithfulness=not args.random_weights,
-            progress=progress,
-        )
-    finally:
-        progress.close()
+    results = _measure(args, model, tokenizer, workloads, policies, temps, show=speaks)
 
+    single = None
+    if args.compare_single:
+        single = _single_runs(args, world, model_spec, tokenizer, workloads, policies, temps)
+    if not speaks:
+        return EXIT_OK
     if swept is not None:
         _warn_unused_rollback(swept, results)
     table = format_table(results, baseline=args.baseline)
     exact = exactness_table(results, always=args.dtype is not None)
     if exact:
         table += "\n\n" + exact
+    if sharding is not None:
+        table += "\n\n" + distributed_table(results, sharding.ranks)
+    if single is not None:
+        table += "\n\n" + single_comparison_table(results, single, sharding.ranks)
     if args.json:
         print_json([r.record() for r in results])
         _emit(table, sys.stderr)
@@ -448,6 +480,104 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         print(f"specdec bench: plot written to {args.plot}", file=sys.stderr, flush=True)
     return EXIT_OK
+
+
+def _measure(
+    args: argparse.Namespace,
+    model: Any,
+    tokenizer: Any,
+    workloads: list,
+    policies: list,
+    temps: list,
+    *,
+    show: bool,
+    baseline: Any = ...,
+    prefix: str = "specdec bench",
+) -> list:
+    """:func:`run_bench` with the command's arguments and a progress bar (drawn when
+    ``show``); ``baseline`` defaults to ``--baseline``."""
+    baseline = args.baseline if baseline is ... else baseline
+    steps = total_steps(
+        len(workloads), len(temps), args.runs, baseline is not None, n_policies=len(policies)
+    )
+    progress = Progress(steps, sys.stderr, enabled=show and not args.no_progress, prefix=prefix)
+    try:
+        return run_bench(
+            model,
+            tokenizer,
+            workloads,
+            policies=policies,
+            runs=args.runs,
+            temps=temps,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            baseline=baseline,
+            score_faithfulness=not args.random_weights,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+
+
+def _single_runs(
+    args: argparse.Namespace,
+    world: Any,
+    model_spec: Any,
+    tokenizer: Any,
+    workloads: list,
+    policies: list,
+    temps: list,
+) -> list | None:
+    """``--compare-single``: rank 0 runs the workloads on the whole model alone while the
+    other ranks wait idle, polling a file (a rank blocked in a collective spins a core);
+    returns rank 0's results (``None`` on the other ranks)."""
+    import socket
+    import tempfile
+    import time
+    import zlib
+    from pathlib import Path
+
+    import mlx.core as mx
+    import numpy as np
+
+    from ..loading import load_model
+
+    me = [zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF, os.getpid()]
+    info = np.array(mx.distributed.all_gather(mx.array(me, dtype=mx.int32), group=world))
+    info = info.reshape(world.size(), 2)
+    if len({int(h) for h in info[:, 0]}) > 1:
+        raise CliError("--compare-single needs every rank on one host (the others wait idle)")
+    marker = Path(tempfile.gettempdir()) / f"specdec-bench-single-{int(info[0, 1])}"
+    out = None
+    if world.rank() == 0:
+        try:
+            model, _ = load_model(model_spec, random_weights=args.random_weights, seed=args.seed)
+            if args.dtype is not None:
+                model.set_dtype(getattr(mx, args.dtype))
+            out = _measure(
+                args,
+                model,
+                tokenizer,
+                workloads,
+                policies,
+                temps,
+                show=True,
+                baseline=None,
+                prefix="specdec bench (single process)",
+            )
+            marker.write_text("ok")
+        except BaseException:
+            marker.write_text("failed")
+            raise
+    else:
+        while not marker.exists():
+            time.sleep(0.2)
+        if marker.read_text() != "ok":
+            raise CliError("--compare-single: rank 0's single-process runs failed (see its error)")
+    mx.eval(mx.distributed.all_sum(mx.array([1.0]), group=world))  # everyone saw the marker
+    if world.rank() == 0:
+        marker.unlink(missing_ok=True)
+    return out
 
 
 def _batch_bench(

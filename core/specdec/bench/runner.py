@@ -52,6 +52,8 @@ from .workloads import Workload
 __all__ = [
     "BASELINES",
     "RECORD_FIELDS",
+    "distributed_table",
+    "single_comparison_table",
     "SPEC_BASELINE",
     "RunSample",
     "WorkloadResult",
@@ -118,6 +120,8 @@ class RunSample:
             request's stats: rounds that verified no draft, tokens committed while the
             governor had a drafter suspended, shadow-scoring time over decode time, and
             ``{k: rounds}`` of the block sizes verified.
+        collectives_per_token: on a sharded model, the request's collective operations
+            per generated token (``stats.distributed``); ``None`` otherwise.
     """
 
     kind: str
@@ -142,6 +146,7 @@ class RunSample:
     suspended_tokens: int | None = None
     shadow_fraction: float | None = None
     block_sizes: dict | None = None
+    collectives_per_token: float | None = None
 
     def to_dict(self, *, with_output: bool = False) -> dict:
         d = attrs.asdict(self)
@@ -342,6 +347,8 @@ class WorkloadResult:
             on_suspended_tokens=_median([s.suspended_tokens or 0 for s in self.on]),
             on_shadow_percent=round(100 * _median([s.shadow_fraction or 0.0 for s in self.on]), 4),
             on_block_sizes=self.block_size_histogram(),
+            off_collectives_per_token=_median_or_none([s.collectives_per_token for s in self.off]),
+            on_collectives_per_token=_median_or_none([s.collectives_per_token for s in self.on]),
             runs={
                 "off": [s.to_dict(with_output=with_output) for s in self.off],
                 "on": [s.to_dict(with_output=with_output) for s in self.on],
@@ -395,6 +402,9 @@ def _run_pipeline(
         suspended_tokens=int(s.governor.get("suspended_tokens", 0)),
         shadow_fraction=float(s.shadow_fraction),
         block_sizes={int(k): int(v) for k, v in sorted(s.block_sizes.items())},
+        collectives_per_token=(
+            float(s.distributed["collectives_per_token"]) if s.distributed else None
+        ),
     )
 
 
@@ -805,6 +815,48 @@ def exactness_table(results: Sequence[WorkloadResult], *, always: bool = False) 
         )
         lines.append(
             f"| {r.workload} | {r.policy} | {n - len(r.divergences)}/{n} | {where or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def _median_or_none(xs: Sequence[float | None]) -> float | None:
+    got = [x for x in xs if x is not None]
+    return round(_median(got), 3) if got else None
+
+
+def distributed_table(results: Sequence[WorkloadResult], ranks: int) -> str:
+    """Collective operations per generated token, off and on, on a model sharded across
+    ``ranks`` ranks (medians over the runs), as a Markdown table."""
+    lines = [
+        "| workload | temp | policy | ranks | off collectives/token | on collectives/token "
+        "| on tokens/forward |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        d = res.details()
+        off, on = d["off_collectives_per_token"], d["on_collectives_per_token"]
+        lines.append(
+            f"| {res.workload} | {res.temp:g} | {res.policy} | {ranks} "
+            f"| {'n/a' if off is None else f'{off:.1f}'} | {'n/a' if on is None else f'{on:.1f}'} "
+            f"| {d['tokens_per_forward']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def single_comparison_table(
+    sharded: Sequence[WorkloadResult], single: Sequence[WorkloadResult], ranks: int
+) -> str:
+    """The policy's ratio against plain decoding on the sharded model next to the same
+    on one process with the whole model, from one ``bench --distributed --compare-single``."""
+    lines = [
+        f"| workload | temp | policy | {ranks} ranks off tok/s | {ranks} ranks on tok/s "
+        f"| {ranks} ranks ratio | single off tok/s | single on tok/s | single ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a, b in zip(sharded, single):
+        lines.append(
+            f"| {a.workload} | {a.temp:g} | {a.policy} | {a.off_tps:.2f} | {a.on_tps:.2f} "
+            f"| {a.ratio:.2f}x | {b.off_tps:.2f} | {b.on_tps:.2f} | {b.ratio:.2f}x |"
         )
     return "\n".join(lines)
 

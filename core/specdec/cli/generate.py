@@ -58,6 +58,12 @@ def format_stats_line(stats: dict, *, policy: str = "", generated: int | None = 
     mem = stats.get("peak_memory_gb")
     if mem is not None:
         parts.append(f"peak {fmt(mem, '.2f')} GB")
+    dist = stats.get("distributed") or {}
+    if dist:
+        parts.append(
+            f"{dist.get('ranks')} ranks, {fmt(dist.get('collectives_per_token'), '.1f')} "
+            "collectives/token"
+        )
     off = stats.get("speculation_off_reason")
     if off:
         parts.append(f"speculation off: {off}")
@@ -195,9 +201,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt, chat_template=not args.ignore_chat_template, system_prompt=args.system_prompt
     )
     kwargs = dict(max_tokens=args.max_tokens, seed=args.seed, **sampling)
+    # Under mlx.launch every rank runs the request; only rank 0 prints.
+    speaks = pipe.sharding is None or pipe.sharding.rank == 0
 
     if args.json:
         out = pipe.generate(ids, **kwargs)
+        if not speaks:
+            return EXIT_OK
         stats = out.stats.to_dict() if out.stats is not None else {}
         print_json(
             {
@@ -221,11 +231,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     n = 0
     for r in pipe.stream(ids, **kwargs):
         n += 1
-        if r.text:
+        if r.text and speaks:
             sys.stdout.write(r.text)
             sys.stdout.flush()
         if getattr(r, "stats", None) is not None:
             stats_obj = r.stats
+    if not speaks:
+        return EXIT_OK
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats:

@@ -47,6 +47,9 @@ class DraftModelDrafter(BaseDrafter):
     """
 
     name = "draft_model"
+    #: A replicated draft model drafts the same block and q on every rank of a sharded
+    #: target: q need not be broadcast.
+    deterministic = True
 
     def __init__(self, model: Any = None, num_draft_tokens: int = 4, head: str | None = None):
         if model is None:
