@@ -718,11 +718,21 @@ def test_cli_policy_with_unknown_component(capsys, no_model_loading, byte_model,
 
 def test_cli_sweep_table_has_a_row_per_value(capsys, byte_model, tmp_path):
     details = tmp_path / "d.json"
+    # The copy preset with ngram_copy's ladder sizing: on a random model whose drafts
+    # are rejected, the cost sizing may find that no block pays (it depends on the
+    # measured timings), and the rounds table would then have no row.
+    policy = tmp_path / "copy.toml"
+    policy.write_text(
+        'name = "copy"\ndrafters = ["ngram_copy"]\ngovernor = "copy_governor"\n'
+        '[options.ngram_copy]\nsizing = "ladder"\n'
+    )
     rc, out, err = run_cli(
         capsys,
         "bench",
         "--model",
         str(byte_model),
+        "--policy",
+        str(policy),
         *FAST,
         "-w",
         "code-edit",

@@ -1,0 +1,386 @@
+"""Speculation on a model sharded across two ranks (``mx.distributed``, ring backend).
+
+One two-rank job on 127.0.0.1 (the ranks started as ``mlx.launch --backend ring``
+starts them: ``MLX_HOSTFILE`` and ``MLX_RANK``, without its I/O relay, whose loop
+keeps a core busy on this two-core machine; bounded by a timeout, every process
+killed when it runs over) runs every case of
+``distributed_ranks.py`` on both ranks: the default model sharded tensor-parallel by
+specdec's uneven head split (9 query / 3 key-value heads on 2 ranks), and a tiny
+random qwen3 sharded by mlx-lm's own ``shard``. The tests compare what the ranks
+recorded with each other, round by round, and with this process's single-process
+runs of the same models, and check that failures end the request on both ranks
+with clear errors instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import specdec
+from specdec.bench.runner import first_divergence
+from specdec.testing import make_tiny_model
+
+HERE = Path(__file__).parent
+#: Wall-clock bound of the whole two-rank job.
+JOB_TIMEOUT_S = 900
+MAX_TOKENS = 24
+#: A greedy sharded run may differ from the single-process one only where the plain
+#: top-two logits are this close (the ranks' all_sum adds partial sums in another order).
+TIE_GAP = 1e-3
+TINY = "tiny-qwen3"
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p+1 free on 127.0.0.1 (mlx.launch's ring uses one per rank)."""
+    for _ in range(200):
+        p = random.randint(20000, 60000)
+        ok = True
+        for q in (p, p + 1):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    ok = False
+        if ok:
+            return p
+    raise RuntimeError("no two free consecutive ports on 127.0.0.1")
+
+
+def _launcher() -> list[str]:
+    exe = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    if not Path(exe).exists():
+        pytest.fail("mlx.launch (installed with mlx) is not on PATH")
+    return [exe]
+
+
+def start_ranks(argv: list[str], tmp: Path, n: int = 2) -> list[subprocess.Popen]:
+    """Start ``argv`` as ``n`` ring ranks on 127.0.0.1, each in its own process group,
+    its output in ``tmp/rank<r>.log``."""
+    port = _free_port_pair()
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(n)]))
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(r))
+        env["OPENBLAS_NUM_THREADS"] = "1"  # one core per rank
+        log = open(tmp / f"rank{r}.log", "w")
+        procs.append(
+            subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    return procs
+
+
+def wait_ranks(procs: list[subprocess.Popen], tmp: Path, timeout: float) -> str:
+    """Wait for every rank (at most ``timeout`` seconds in all), kill them all when one
+    fails or time runs out; the ranks' output."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                break
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(5)  # let the others say why, then stop them
+                break
+            time.sleep(0.2)
+    finally:
+        timed_out = any(p.poll() is None for p in procs)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    log = "\n".join(
+        f"--- rank {r}:\n{(tmp / f'rank{r}.log').read_text()[-4000:]}" for r in range(len(procs))
+    )
+    if timed_out:
+        pytest.fail(f"the ranks ran past {timeout}s (a hang?); their output:\n{log}")
+    return log
+
+
+def run_ranks(cases: list[dict], tmp: Path, timeout: float = JOB_TIMEOUT_S) -> list[dict]:
+    """Run ``cases`` on two ring ranks; return each rank's results (rank order)."""
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"cases": cases}))
+    argv = [sys.executable, str(HERE / "distributed_ranks.py"), str(spec), str(tmp)]
+    log = wait_ranks(start_ranks(argv, tmp), tmp, timeout)
+    out = []
+    for r in range(2):
+        f = tmp / f"rank{r}.json"
+        if not f.exists():
+            pytest.fail(f"rank {r} wrote no results; the ranks' output:\n{log}")
+        out.append(json.loads(f.read_text()))
+    for r, res in enumerate(out):
+        assert res.get("done"), f"rank {r} did not finish every case; output:\n{log}"
+        assert res["ranks"] == 2, "the job did not run as two ranks"
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_pipe():
+    return specdec.assemble(None, policy="none", distributed=False)
+
+
+@pytest.fixture(scope="module")
+def prompt(default_pipe):
+    text = "Repeat this list exactly: apples, pears, plums, apples, pears, plums, figs."
+    return default_pipe.encode_prompt(text)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_model("qwen3", vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_prompt(tiny):
+    from specdec.testing import copy_heavy_prompt
+
+    return copy_heavy_prompt(tiny, [5, 17, 99, 3, 42, 7], n=12)
+
+
+@pytest.fixture(scope="module")
+def single(default_pipe, prompt, tiny, tiny_prompt):
+    """The single-process runs the sharded ones are compared with."""
+    tiny_pipe = specdec.assemble(tiny, policy="none", distributed=False)
+    return {
+        "greedy": default_pipe.generate(prompt, max_tokens=MAX_TOKENS).tokens,
+        "sampled": default_pipe.generate(
+            prompt, max_tokens=MAX_TOKENS, temperature=0.8, seed=7
+        ).tokens,
+        "tiny_greedy": tiny_pipe.generate(tiny_prompt, max_tokens=MAX_TOKENS).tokens,
+        "tiny_sampled": tiny_pipe.generate(
+            tiny_prompt, max_tokens=MAX_TOKENS, temperature=1.0, seed=3
+        ).tokens,
+    }
+
+
+def _oracle(reference: list[int], **extra) -> dict:
+    return {
+        "name": "faulty",
+        "drafters": ["faulty"],
+        "options": {"faulty": {"reference": reference, "block": 4, **extra}},
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, prompt, tiny_prompt, single):
+    ref = prompt + single["greedy"]
+    tiny_ref = tiny_prompt + single["tiny_greedy"]
+    base = {"model": "default", "prompt": prompt, "max_tokens": MAX_TOKENS}
+    acceptor_fails = _oracle(ref)
+    acceptor_fails["acceptor"] = "faulty_greedy"
+    acceptor_fails["options"]["faulty_greedy"] = {"fail_rank": 1, "fail_at": 3}
+    cases = [
+        {**base, "name": "none", "policy": "none", "record_rounds": True},
+        {**base, "name": "copy", "policy": "copy", "record_rounds": True},
+        {**base, "name": "copy-sampled", "policy": "copy", "temperature": 0.8, "seed": 7},
+        {**base, "name": "copy-noseed", "policy": "copy", "temperature": 0.8},
+        {**base, "name": "skew", "policy": _oracle(ref, skew_rank=1), "record_rounds": True},
+        {**base, "name": "drafter-fails", "policy": _oracle(ref, fail_rank=1, fail_at=3)},
+        {**base, "name": "acceptor-fails", "policy": acceptor_fails},
+        # rank 1 bans the token plain decoding emits 5th, from then on: its output
+        # differs from rank 0's
+        {
+            **base,
+            "name": "diverge",
+            "policy": "none",
+            "ban": [1, single["greedy"][4], len(prompt) + 4],
+        },
+        {**base, "name": "close", "policy": "copy", "close_on_rank": 1, "close_after": 3},
+        {**base, "name": "after-failures", "policy": "copy"},
+        {
+            "model": TINY,
+            "name": "tiny-none",
+            "prompt": tiny_prompt,
+            "max_tokens": MAX_TOKENS,
+            "policy": "none",
+        },
+        {
+            "model": TINY,
+            "name": "tiny-oracle",
+            "prompt": tiny_prompt,
+            "max_tokens": MAX_TOKENS,
+            "policy": _oracle(tiny_ref),
+            "record_rounds": True,
+        },
+        {
+            "model": TINY,
+            "name": "tiny-oracle-sampled",
+            "prompt": tiny_prompt,
+            "max_tokens": MAX_TOKENS,
+            "policy": _oracle(tiny_ref),
+            "temperature": 1.0,
+            "seed": 3,
+        },
+    ]
+    return run_ranks(cases, tmp_path_factory.mktemp("ranks"))
+
+
+def _case(ranks, name):
+    return [r["cases"][name] for r in ranks]
+
+
+def _assert_same_as_single(model, prompt, want, got):
+    """Sharded greedy output equals the single-process one, or differs first where plain
+    decoding was at a near-tie (reported)."""
+    if got == want:
+        return
+    d = first_divergence(model, prompt, want, got)
+    gap = d["plain_top2_gap"]
+    assert gap is not None and gap < TIE_GAP, (
+        f"sharded output differs from the single-process run at {d}: not a near-tie"
+    )
+
+
+def _dist(case):
+    return case["stats"]["distributed"]
+
+
+def test_ranks_agree_every_round(ranks):
+    for name in ("none", "copy", "skew", "tiny-oracle"):
+        a, b = _case(ranks, name)
+        assert a["error"] is None and b["error"] is None, (name, a["error"], b["error"])
+        assert a["rounds"], f"{name}: no rounds were recorded"
+        assert a["rounds"] == b["rounds"], f"{name}: the ranks' rounds differ"
+        assert a["tokens"] == b["tokens"]
+
+
+def test_greedy_sharded_equals_single_process(ranks, default_pipe, prompt, single):
+    for name in ("none", "copy", "skew", "after-failures"):
+        a, b = _case(ranks, name)
+        assert a["error"] is None, (name, a["error"])
+        assert a["tokens"] == b["tokens"]
+        _assert_same_as_single(default_pipe.model, prompt, single["greedy"], a["tokens"])
+    none, copy = _case(ranks, "none")[0], _case(ranks, "copy")[0]
+    assert none["tokens"] == copy["tokens"]
+    # the copy policy drafted and the target accepted drafts, on the sharded model
+    assert copy["stats"]["drafted"] > 0 and copy["stats"]["accepted"] > 0
+    assert copy["stats"]["target_forwards"] < none["stats"]["target_forwards"]
+
+
+def test_collectives_per_token_fall_with_speculation(ranks):
+    none, copy = _case(ranks, "none")[0], _case(ranks, "copy")[0]
+    dn, dc = _dist(none), _dist(copy)
+    assert dn["ranks"] == 2 and dn["kind"] == "tensor" and dn["method"] == "uneven-heads"
+    assert dn["heads"] == [[6, 2], [3, 1]]
+    # 30 layers, an all_sum after attention and after the MLP
+    assert dn["collectives_per_forward"] == 60
+    assert dn["decode_forwards"] == none["stats"]["target_forwards"]
+    assert dn["model_collectives"] == 60 * dn["decode_forwards"]
+    assert dc["collectives_per_token"] < dn["collectives_per_token"]
+    n = none["stats"]["generation_tokens"]
+    assert dn["collectives_per_token"] == pytest.approx(dn["collectives"] / n)
+
+
+def test_seeded_sampling_with_copy_drafts_equals_single_process(ranks, single):
+    a, b = _case(ranks, "copy-sampled")
+    assert a["error"] is None and a["tokens"] == b["tokens"]
+    assert a["tokens"] == single["sampled"]
+    # without a seed, every rank samples with rank 0's
+    a, b = _case(ranks, "copy-noseed")
+    assert a["error"] is None and a["tokens"] == b["tokens"]
+
+
+def test_rank0_block_is_verified_when_a_rank_proposes_another(ranks):
+    a, b = _case(ranks, "skew")
+    assert _dist(a)["block_overrides"] == 0
+    assert _dist(b)["block_overrides"] > 0
+    assert a["stats"]["accepted"] > 0 and a["stats"]["drafted"] == b["stats"]["drafted"]
+
+
+def test_failure_on_one_rank_ends_the_request_on_both(ranks):
+    for name, what in (("drafter-fails", "drafter"), ("acceptor-fails", "acceptor")):
+        a, b = _case(ranks, name)
+        assert b["error_type"] == "RuntimeError" and f"injected {what} failure" in b["error"]
+        assert a["error_type"] == "DistributedError", (name, a["error"])
+        # both fail in their third call: the third round
+        assert "rank 1 failed at round 3:" in a["error"], a["error"]
+        assert f"injected {what} failure" in a["error"]
+
+
+def test_divergence_fails_loudly_on_both_ranks(ranks):
+    a, b = _case(ranks, "diverge")
+    for r in (a, b):
+        assert r["error_type"] == "DistributedError" and "ranks diverged" in r["error"], r["error"]
+
+
+def test_a_rank_that_stops_reading_ends_the_request(ranks):
+    a, b = _case(ranks, "close")
+    assert b["error"] is None and len(b["tokens"]) == 3
+    assert a["error_type"] == "DistributedError", a["error"]
+    assert "rank 1 stopped reading the stream at round" in a["error"]
+
+
+def test_tiny_model_of_another_architecture(ranks, tiny, tiny_prompt, single):
+    none, oracle = _case(ranks, "tiny-none")[0], _case(ranks, "tiny-oracle")[0]
+    assert _dist(none)["method"] == "mlx-lm"
+    assert _dist(none)["collectives_per_forward"] == 4  # 2 layers
+    _assert_same_as_single(tiny, tiny_prompt, single["tiny_greedy"], none["tokens"])
+    assert oracle["tokens"] == none["tokens"]
+    assert oracle["stats"]["accepted"] > 0
+    a, b = _case(ranks, "tiny-oracle-sampled")
+    assert a["error"] is None and a["tokens"] == b["tokens"] == single["tiny_sampled"]
+
+
+def test_distributed_true_outside_a_job_is_a_clear_error():
+    with pytest.raises(specdec.DistributedError, match="mlx.launch"):
+        specdec.assemble(make_tiny_model("llama"), policy="none", distributed=True)
+
+
+def test_generate_under_mlx_launch(tmp_path, default_pipe):
+    """What a user types: mlx.launch runs specdec generate on two ranks; rank 0 prints."""
+    text = "Repeat this list exactly: apples, pears, plums, apples, pears, plums."
+    cmd = [
+        *_launcher(),
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--hosts",
+        "127.0.0.1",
+        "--starting-port",
+        str(_free_port_pair()),
+        "--env",
+        "OPENBLAS_NUM_THREADS=1",
+        str(Path(sys.executable).with_name("specdec")),
+        "generate",
+        "--policy",
+        "copy",
+        "--max-tokens",
+        "12",
+        "--stats",
+        "--json",
+        "--prompt",
+        text,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"mlx.launch ran past 300s; stderr:\n{err[-4000:]}")
+    assert "Node with rank" not in err, err[-4000:]  # mlx.launch's warning of a failed rank
+    lines = [x for x in err.splitlines() if x.startswith("specdec: policy=copy")]
+    assert len(lines) == 1, f"expected one stats line (rank 0's):\n{err[-4000:]}"
+    assert "2 ranks" in lines[0] and "collectives/token" in lines[0]
+    doc = json.loads(out)  # one JSON object: rank 1 printed nothing
+    assert doc["stats"]["distributed"]["ranks"] == 2
+    want = default_pipe.generate(default_pipe.encode_prompt(text), max_tokens=12).tokens
+    _assert_same_as_single(
+        default_pipe.model, default_pipe.encode_prompt(text), want, doc["tokens"]
+    )
