@@ -697,6 +697,9 @@ def test_cli_plot_needs_matplotlib(capsys, no_model_loading, byte_model, tmp_pat
         (["--baseline", "vllm"], "invalid choice"),
         (["--plot", "/no/such/folder/p.png"], "does not exist"),
         (["--details", "/no/such/folder/d.json"], "does not exist"),
+        (["--distributed"], "not one of several ranks: run it under mlx.launch"),
+        (["--compare-single"], "--compare-single goes with --distributed"),
+        (["--distributed", "--batch", "2"], "--distributed does not take --batch"),
     ],
 )
 def test_cli_bad_arguments(capsys, no_model_loading, byte_model, args, needle):

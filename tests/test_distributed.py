@@ -384,3 +384,84 @@ def test_generate_under_mlx_launch(tmp_path, default_pipe):
     _assert_same_as_single(
         default_pipe.model, default_pipe.encode_prompt(text), want, doc["tokens"]
     )
+
+
+class _FakeGroup:
+    """Stands for a group of ``n`` ranks where only the split decisions are checked
+    (the errors come before any collective is built)."""
+
+    def __init__(self, n: int, rank: int = 0):
+        self.n, self.r = n, rank
+
+    def size(self) -> int:
+        return self.n
+
+    def rank(self) -> int:
+        return self.r
+
+
+def test_shard_model_refuses_more_ranks_than_key_value_heads():
+    from specdec.distributed import shard_model
+
+    model = make_tiny_model("llama", vocab_size=64, seed=11)  # 4 query, 2 key/value heads
+    with pytest.raises(specdec.ModelLoadError, match="2 key/value heads.*at most 2 ranks"):
+        shard_model(model, _FakeGroup(3))
+
+
+def test_uneven_split_refuses_quantized_layers():
+    import mlx.nn as nn
+    from specdec.distributed import shard_model
+
+    model = make_tiny_model(
+        "llama",
+        vocab_size=64,
+        seed=12,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        hidden_size=96,
+    )
+    nn.quantize(model, group_size=32, bits=4)
+    with pytest.raises(specdec.ModelLoadError, match="QuantizedLinear layers are not supported"):
+        shard_model(model, _FakeGroup(2))
+
+
+def test_bench_distributed_on_two_ranks(tmp_path):
+    """specdec bench --distributed --compare-single on a random tiny llama: rank 0 prints
+    the records and the tables (collectives per token, both ratios), rank 1 nothing."""
+    from core_support import tiny_config
+
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(tiny_config()))
+    argv = [
+        str(Path(sys.executable).with_name("specdec")),
+        "bench",
+        "--distributed",
+        "--compare-single",
+        "--model",
+        str(folder),
+        "--random-weights",
+        "-w",
+        "prose",
+        "--runs",
+        "1",
+        "--max-tokens",
+        "8",
+        "--no-progress",
+        "--details",
+        str(tmp_path / "details.json"),
+    ]
+    procs = start_ranks(argv, tmp_path)
+    wait_ranks(procs, tmp_path, timeout=300)
+    assert [p.returncode for p in procs] == [0, 0], (tmp_path / "rank1.log").read_text()[-3000:]
+    out0 = (tmp_path / "rank0.log").read_text()
+    out1 = (tmp_path / "rank1.log").read_text()
+    assert "| workload |" not in out1, out1[-2000:]  # rank 1 prints no table
+    (res,) = json.loads((tmp_path / "details.json").read_text())["results"]  # rank 0's
+    assert res["workload"] == "prose" and res["identical"]
+    # plain: 8 forwards of 4 all_sums, 8 round exchanges, 2 at the start, 1 at the end
+    assert res["off_collectives_per_token"] == pytest.approx((8 * 4 + 8 + 3) / 8)
+    assert 0 < res["on_collectives_per_token"] <= res["off_collectives_per_token"]
+    assert "sharded across 2 ranks (mlx-lm, 4 collectives per forward)" in out0
+    assert "| off collectives/token | on collectives/token |" in out0
+    assert "| 2 ranks ratio | single off tok/s |" in out0 and "| same tokens as single |" in out0

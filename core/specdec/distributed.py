@@ -244,15 +244,20 @@ def shard_model(model: Any, group: Any) -> Sharding:
         ModelLoadError: the model cannot be split across this many ranks (with why).
     """
     if model_sharding(model) is not None:
-        raise ModelLoadError("the model is sharded already")
-    n, rank = group.size(), group.rank()
+        raise ModelLoadError(
+            "the model is sharded already (specdec.distributed.model_sharding(model) says how)"
+        )
+    n = group.size()
     layers = _layers(model)
     if not layers:
         raise ModelLoadError(
             f"cannot shard {type(model).__name__}: it has no decoder layers (model.layers)"
         )
     attn = getattr(layers[0], "self_attn", None)
-    heads = _heads(attn) if attn is not None and hasattr(attn, "q_proj") else None
+    try:
+        heads = _heads(attn) if attn is not None and hasattr(attn, "q_proj") else None
+    except ModelLoadError:  # another attention layout: only the model's own shard() applies
+        heads = None
     even = heads is not None and heads[0] % n == 0 and heads[1] % n == 0
     if callable(getattr(model, "shard", None)) and (even or heads is None):
         model.shard(group)
@@ -275,7 +280,6 @@ def shard_model(model: Any, group: Any) -> Sharding:
             "forward: the model was not split (its shard() did nothing)"
         )
     object.__setattr__(model, _SHARDING_ATTR, info)
-    del rank
     return info
 
 
@@ -558,10 +562,10 @@ class RankSync:
         deterministic = bool(getattr(self.drafters[chosen - 1], "deterministic", False))
         if same and deterministic:
             return False
-        rnd.q = self.broadcast_q(st, rnd.q if self.rank == 0 else None, k0)
+        rnd.q = self.broadcast_q(st, rnd.q if self.rank == 0 else None)
         return True
 
-    def broadcast_q(self, st: _RowSync, q: Any, k: int) -> mx.array:
+    def broadcast_q(self, st: _RowSync, q: Any) -> mx.array:
         """Rank 0's draft probabilities ``[k, vocab]`` on every rank (one ``all_sum`` of
         rank 0's array and zeros elsewhere, after its shape)."""
         shape = np.zeros(2, dtype=np.int32)
@@ -573,7 +577,6 @@ class RankSync:
         out = mx.distributed.all_sum(mine.astype(mx.float32), group=self.group)
         st.syncs += 2
         st.q_broadcasts += 1
-        del k
         return out
 
     def round_done(self, st: _RowSync) -> None:

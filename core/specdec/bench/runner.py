@@ -847,16 +847,23 @@ def single_comparison_table(
     sharded: Sequence[WorkloadResult], single: Sequence[WorkloadResult], ranks: int
 ) -> str:
     """The policy's ratio against plain decoding on the sharded model next to the same
-    on one process with the whole model, from one ``bench --distributed --compare-single``."""
+    on one process with the whole model, from one ``bench --distributed --compare-single``;
+    at temperature 0, whether the sharded plain output equals the single-process one (the
+    ranks' ``all_sum`` adds partial sums in another order: a near-tie may round the
+    other way)."""
     lines = [
         f"| workload | temp | policy | {ranks} ranks off tok/s | {ranks} ranks on tok/s "
-        f"| {ranks} ranks ratio | single off tok/s | single on tok/s | single ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| {ranks} ranks ratio | single off tok/s | single on tok/s | single ratio "
+        "| same tokens as single |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a, b in zip(sharded, single):
+        same = "n/a (sampled)"
+        if a.temp == 0 and a.off and b.off:
+            same = "yes" if a.off[0].tokens == b.off[0].tokens else "NO"
         lines.append(
             f"| {a.workload} | {a.temp:g} | {a.policy} | {a.off_tps:.2f} | {a.on_tps:.2f} "
-            f"| {a.ratio:.2f}x | {b.off_tps:.2f} | {b.on_tps:.2f} | {b.ratio:.2f}x |"
+            f"| {a.ratio:.2f}x | {b.off_tps:.2f} | {b.on_tps:.2f} | {b.ratio:.2f}x | {same} |"
         )
     return "\n".join(lines)
 
