@@ -38,3 +38,19 @@ def write_random_llama(path: Path, config: dict, *, seed: int = 0) -> None:
     model.update(tree_map(lambda p: 0.5 * mx.random.normal(p.shape), model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(config))
+
+
+def make_tiny_qwen2(seed: int = 1, vocab_size: int = 256):
+    """A tiny random qwen2 (the kit's tiny qwen3 shape; mlx-lm gives qwen2 both a
+    tensor-parallel ``shard`` and a ``pipeline``), its output head sharpened as the
+    kit's tiny models are."""
+    import mlx.core as mx
+    from mlx_lm.models import qwen2
+
+    cfg = dataclasses.asdict(tiny_model_args("qwen3", vocab_size=vocab_size))
+    mx.random.seed(seed)
+    model = qwen2.Model(qwen2.ModelArgs.from_dict({**cfg, "model_type": "qwen2"}))
+    model.lm_head.weight = model.lm_head.weight * 8.0
+    mx.eval(model.parameters())
+    model.eval()
+    return model

@@ -105,13 +105,17 @@ def _ban_on_rank(rank: int, token: int, after: int):
 def _model(name: str):
     if name == "default":
         return None  # assemble loads (and shards) the built-in default model
+    if name == "tiny-qwen2":
+        from core_support import make_tiny_qwen2
+
+        return make_tiny_qwen2()
     arch = name.removeprefix("tiny-")
     return make_tiny_model(arch, vocab_size=256)
 
 
 def run_case(case: dict, pipes: dict) -> dict:
     """One case: build (or reuse) the pipeline, run the request, record everything."""
-    key = (case["model"], json.dumps(case["policy"], sort_keys=True))
+    key = (case["model"], json.dumps(case["policy"], sort_keys=True), case.get("sharding"))
     if key not in pipes:
         model = _model(case["model"])
         # a path is sharded under a launcher by default; a model object on request
@@ -119,6 +123,7 @@ def run_case(case: dict, pipes: dict) -> dict:
             model,
             policy=specdec.load_policy(case["policy"]),
             distributed=None if model is None else True,
+            sharding=case.get("sharding", "auto"),
         )
     pipe = pipes[key]
     rounds: list = []

@@ -699,6 +699,7 @@ def test_cli_plot_needs_matplotlib(capsys, no_model_loading, byte_model, tmp_pat
         (["--details", "/no/such/folder/d.json"], "does not exist"),
         (["--distributed"], "not one of several ranks: run it under mlx.launch"),
         (["--compare-single"], "--compare-single goes with --distributed"),
+        (["--sharding", "pipeline"], "--sharding goes with --distributed"),
         (["--distributed", "--batch", "2"], "--distributed does not take --batch"),
     ],
 )

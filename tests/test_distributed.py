@@ -1,9 +1,8 @@
 """Speculation on a model sharded across two ranks (``mx.distributed``, ring backend).
 
-One two-rank job on 127.0.0.1 (the ranks started as ``mlx.launch --backend ring``
-starts them: ``MLX_HOSTFILE`` and ``MLX_RANK``, without its I/O relay, whose loop
-keeps a core busy on this two-core machine; bounded by a timeout, every process
-killed when it runs over) runs every case of
+One two-rank job on 127.0.0.1 (the kit's ``run_ranks``: the ranks started as
+``mlx.launch --backend ring`` starts them, bounded by a timeout, every process
+killed when one fails or time runs out) runs every case of
 ``distributed_ranks.py`` on both ranks: the default model sharded tensor-parallel by
 specdec's uneven head split (9 query / 3 key-value heads on 2 ranks), and a tiny
 random qwen3 sharded by mlx-lm's own ``shard``. The tests compare what the ranks
@@ -16,10 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +24,8 @@ from pathlib import Path
 import pytest
 import specdec
 from specdec.bench.runner import first_divergence
-from specdec.testing import make_tiny_model
+from specdec.testing import make_tiny_model, run_ranks
+from specdec.testing.ranks import _free_ports
 
 HERE = Path(__file__).parent
 #: Wall-clock bound of the whole two-rank job.
@@ -39,22 +37,6 @@ TIE_GAP = 1e-3
 TINY = "tiny-qwen3"
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p+1 free on 127.0.0.1 (mlx.launch's ring uses one per rank)."""
-    for _ in range(200):
-        p = random.randint(20000, 60000)
-        ok = True
-        for q in (p, p + 1):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind(("127.0.0.1", q))
-                except OSError:
-                    ok = False
-        if ok:
-            return p
-    raise RuntimeError("no two free consecutive ports on 127.0.0.1")
-
-
 def _launcher() -> list[str]:
     exe = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
     if not Path(exe).exists():
@@ -62,68 +44,18 @@ def _launcher() -> list[str]:
     return [exe]
 
 
-def start_ranks(argv: list[str], tmp: Path, n: int = 2) -> list[subprocess.Popen]:
-    """Start ``argv`` as ``n`` ring ranks on 127.0.0.1, each in its own process group,
-    its output in ``tmp/rank<r>.log``."""
-    port = _free_port_pair()
-    hostfile = tmp / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(n)]))
-    procs = []
-    for r in range(n):
-        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(r))
-        env["OPENBLAS_NUM_THREADS"] = "1"  # one core per rank
-        log = open(tmp / f"rank{r}.log", "w")
-        procs.append(
-            subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        )
-    return procs
-
-
-def wait_ranks(procs: list[subprocess.Popen], tmp: Path, timeout: float) -> str:
-    """Wait for every rank (at most ``timeout`` seconds in all), kill them all when one
-    fails or time runs out; the ranks' output."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                break
-            if any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(5)  # let the others say why, then stop them
-                break
-            time.sleep(0.2)
-    finally:
-        timed_out = any(p.poll() is None for p in procs)
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    log = "\n".join(
-        f"--- rank {r}:\n{(tmp / f'rank{r}.log').read_text()[-4000:]}" for r in range(len(procs))
-    )
-    if timed_out:
-        pytest.fail(f"the ranks ran past {timeout}s (a hang?); their output:\n{log}")
-    return log
-
-
-def run_ranks(cases: list[dict], tmp: Path, timeout: float = JOB_TIMEOUT_S) -> list[dict]:
+def run_cases(cases: list[dict], tmp: Path, timeout: float = JOB_TIMEOUT_S) -> list[dict]:
     """Run ``cases`` on two ring ranks; return each rank's results (rank order)."""
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"cases": cases}))
     argv = [sys.executable, str(HERE / "distributed_ranks.py"), str(spec), str(tmp)]
-    log = wait_ranks(start_ranks(argv, tmp), tmp, timeout)
+    logs = run_ranks(argv, tmp, timeout=timeout)
     out = []
     for r in range(2):
-        f = tmp / f"rank{r}.json"
-        if not f.exists():
-            pytest.fail(f"rank {r} wrote no results; the ranks' output:\n{log}")
-        out.append(json.loads(f.read_text()))
-    for r, res in enumerate(out):
-        assert res.get("done"), f"rank {r} did not finish every case; output:\n{log}"
+        res = json.loads((tmp / f"rank{r}.json").read_text())
+        assert res.get("done"), f"rank {r} did not finish every case; output:\n{logs[r][-4000:]}"
         assert res["ranks"] == 2, "the job did not run as two ranks"
+        out.append(res)
     return out
 
 
@@ -151,10 +83,22 @@ def tiny_prompt(tiny):
 
 
 @pytest.fixture(scope="module")
-def single(default_pipe, prompt, tiny, tiny_prompt):
+def qwen2():
+    from core_support import make_tiny_qwen2
+
+    return make_tiny_qwen2()
+
+
+@pytest.fixture(scope="module")
+def single(default_pipe, prompt, tiny, tiny_prompt, qwen2):
     """The single-process runs the sharded ones are compared with."""
     tiny_pipe = specdec.assemble(tiny, policy="none", distributed=False)
+    qwen2_pipe = specdec.assemble(qwen2, policy="none", distributed=False)
     return {
+        "qwen2_greedy": qwen2_pipe.generate(tiny_prompt, max_tokens=MAX_TOKENS).tokens,
+        "qwen2_sampled": qwen2_pipe.generate(
+            tiny_prompt, max_tokens=MAX_TOKENS, temperature=1.0, seed=5
+        ).tokens,
         "greedy": default_pipe.generate(prompt, max_tokens=MAX_TOKENS).tokens,
         "sampled": default_pipe.generate(
             prompt, max_tokens=MAX_TOKENS, temperature=0.8, seed=7
@@ -178,6 +122,13 @@ def _oracle(reference: list[int], **extra) -> dict:
 def ranks(tmp_path_factory, prompt, tiny_prompt, single):
     ref = prompt + single["greedy"]
     tiny_ref = tiny_prompt + single["tiny_greedy"]
+    qwen2_ref = tiny_prompt + single["qwen2_greedy"]
+    pipe = {
+        "model": "tiny-qwen2",
+        "sharding": "pipeline",
+        "prompt": tiny_prompt,
+        "max_tokens": MAX_TOKENS,
+    }
     base = {"model": "default", "prompt": prompt, "max_tokens": MAX_TOKENS}
     acceptor_fails = _oracle(ref)
     acceptor_fails["acceptor"] = "faulty_greedy"
@@ -215,6 +166,16 @@ def ranks(tmp_path_factory, prompt, tiny_prompt, single):
             "policy": _oracle(tiny_ref),
             "record_rounds": True,
         },
+        {**pipe, "name": "pipeline-none", "policy": "none", "record_rounds": True},
+        {**pipe, "name": "pipeline-oracle", "policy": _oracle(qwen2_ref), "record_rounds": True},
+        {
+            **pipe,
+            "name": "pipeline-oracle-sampled",
+            "policy": _oracle(qwen2_ref),
+            "temperature": 1.0,
+            "seed": 5,
+        },
+        {**pipe, "name": "pipeline-fails", "policy": _oracle(qwen2_ref, fail_rank=1, fail_at=3)},
         {
             "model": TINY,
             "name": "tiny-oracle-sampled",
@@ -225,7 +186,7 @@ def ranks(tmp_path_factory, prompt, tiny_prompt, single):
             "seed": 3,
         },
     ]
-    return run_ranks(cases, tmp_path_factory.mktemp("ranks"))
+    return run_cases(cases, tmp_path_factory.mktemp("ranks"))
 
 
 def _case(ranks, name):
@@ -334,6 +295,36 @@ def test_tiny_model_of_another_architecture(ranks, tiny, tiny_prompt, single):
     assert a["error"] is None and a["tokens"] == b["tokens"] == single["tiny_sampled"]
 
 
+def test_pipeline_parallel(ranks, single):
+    """mlx-lm's pipeline(group): each rank runs one of the tiny qwen2's two layers."""
+    none = _case(ranks, "pipeline-none")
+    for r, case in enumerate(none):
+        d = _dist(case)
+        assert (d["kind"], d["method"]) == ("pipeline", "mlx-lm")
+        assert d["layers"] == ([1, 2] if r == 0 else [0, 1])
+        # rank 0: recv + all_gather; rank 1: send + all_gather
+        assert d["collectives_per_forward"] == 2
+    a, b = _case(ranks, "pipeline-oracle")
+    assert a["error"] is None and a["rounds"] and a["rounds"] == b["rounds"]
+    assert none[0]["rounds"] == none[1]["rounds"]
+    # a pipeline adds no partial sums: exactly the single-process output
+    assert none[0]["tokens"] == a["tokens"] == single["qwen2_greedy"]
+    assert a["stats"]["accepted"] > 0
+    assert _dist(a)["collectives_per_token"] < _dist(none[0])["collectives_per_token"]
+    a, b = _case(ranks, "pipeline-oracle-sampled")
+    assert a["error"] is None and a["tokens"] == b["tokens"] == single["qwen2_sampled"]
+    a, b = _case(ranks, "pipeline-fails")
+    assert b["error_type"] == "RuntimeError" and a["error_type"] == "DistributedError"
+    assert "rank 1 failed at round 3:" in a["error"]
+
+
+def test_sharding_outside_a_job_is_a_clear_error():
+    with pytest.raises(specdec.DistributedError, match="sharding='pipeline'.*mlx.launch"):
+        specdec.assemble(make_tiny_model("llama"), policy="none", sharding="pipeline")
+    with pytest.raises(specdec.PolicyError, match="sharding must be one of"):
+        specdec.assemble(make_tiny_model("llama"), policy="none", sharding="rows")
+
+
 def test_distributed_true_outside_a_job_is_a_clear_error():
     with pytest.raises(specdec.DistributedError, match="mlx.launch"):
         specdec.assemble(make_tiny_model("llama"), policy="none", distributed=True)
@@ -351,7 +342,7 @@ def test_generate_under_mlx_launch(tmp_path, default_pipe):
         "--hosts",
         "127.0.0.1",
         "--starting-port",
-        str(_free_port_pair()),
+        str(_free_ports(2)),
         "--env",
         "OPENBLAS_NUM_THREADS=1",
         str(Path(sys.executable).with_name("specdec")),
@@ -451,17 +442,13 @@ def test_bench_distributed_on_two_ranks(tmp_path):
         "--details",
         str(tmp_path / "details.json"),
     ]
-    procs = start_ranks(argv, tmp_path)
-    wait_ranks(procs, tmp_path, timeout=300)
-    assert [p.returncode for p in procs] == [0, 0], (tmp_path / "rank1.log").read_text()[-3000:]
-    out0 = (tmp_path / "rank0.log").read_text()
-    out1 = (tmp_path / "rank1.log").read_text()
+    out0, out1 = run_ranks(argv, tmp_path, timeout=300)
     assert "| workload |" not in out1, out1[-2000:]  # rank 1 prints no table
     (res,) = json.loads((tmp_path / "details.json").read_text())["results"]  # rank 0's
     assert res["workload"] == "prose" and res["identical"]
     # plain: 8 forwards of 4 all_sums, 8 round exchanges, 2 at the start, 1 at the end
     assert res["off_collectives_per_token"] == pytest.approx((8 * 4 + 8 + 3) / 8)
     assert 0 < res["on_collectives_per_token"] <= res["off_collectives_per_token"]
-    assert "sharded across 2 ranks (mlx-lm, 4 collectives per forward)" in out0
+    assert "sharded across 2 ranks (tensor, mlx-lm, 4 collectives per forward)" in out0
     assert "| off collectives/token | on collectives/token |" in out0
     assert "| 2 ranks ratio | single off tok/s |" in out0 and "| same tokens as single |" in out0

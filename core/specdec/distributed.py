@@ -55,10 +55,12 @@ from .errors import ModelLoadError, SpecdecError
 __all__ = [
     "DistributedError",
     "RankSync",
+    "SHARDING_KINDS",
     "Sharding",
     "adopt_sharding",
     "collectives_per_forward",
     "launched_world",
+    "looks_sharded",
     "model_sharding",
     "shard_model",
 ]
@@ -96,12 +98,17 @@ class Sharding:
 
     Attributes:
         group: the ``mx.distributed`` group.
-        kind: ``"tensor"``: every decoder layer's projections split across the ranks.
-        method: ``"mlx-lm"`` (the model's own ``shard(group)``) or ``"uneven-heads"``
-            (specdec's split of a llama-style layer whose heads do not divide evenly:
-            whole key/value head groups per rank, as even as they go).
+        kind: ``"tensor"``: every decoder layer's projections split across the ranks;
+            ``"pipeline"``: the decoder layers split across the ranks (rank ``n - 1``
+            runs the first ones and sends its hidden states on, rank 0 the last ones,
+            whose output every rank gathers).
+        method: ``"mlx-lm"`` (the model's own ``shard(group)`` or ``pipeline(group)``),
+            ``"uneven-heads"`` (specdec's split of a llama-style layer whose heads do not
+            divide evenly: whole key/value head groups per rank, as even as they go) or
+            ``"given"`` (a model sharded elsewhere).
         collectives_per_forward: collective operations one forward issues on this rank.
-        heads: ``[(query heads, key/value heads)]`` per rank.
+        heads: ``[(query heads, key/value heads)]`` per rank (tensor parallel).
+        layers: ``(first, end)`` decoder layers this rank runs (pipeline parallel).
     """
 
     group: Any
@@ -109,6 +116,7 @@ class Sharding:
     method: str
     collectives_per_forward: int
     heads: tuple = ()
+    layers: tuple = ()
 
     @property
     def ranks(self) -> int:
@@ -129,6 +137,7 @@ class Sharding:
             "method": self.method,
             "collectives_per_forward": self.collectives_per_forward,
             "heads": [list(h) for h in self.heads],
+            "layers": list(self.layers),
         }
 
 
@@ -185,6 +194,13 @@ def collectives_per_forward(model: Any) -> int:
     return sum(1 for _, m in model.named_modules() if type(m).__name__ in _COLLECTIVE_CLASSES)
 
 
+def looks_sharded(model: Any) -> bool:
+    """Whether ``model`` was split across ranks (sharded layers, or mlx-lm's
+    ``pipeline(group)`` applied), by whatever means."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "pipeline_size", 1) > 1 or collectives_per_forward(model) > 0
+
+
 def adopt_sharding(model: Any, group: Any) -> Sharding:
     """Record that ``model`` was sharded across ``group`` elsewhere (mlx-lm's
     ``sharded_load``, the model's own ``shard``), so a pipeline keeps its ranks in step.
@@ -192,6 +208,18 @@ def adopt_sharding(model: Any, group: Any) -> Sharding:
     Raises:
         ModelLoadError: the model has no collective in its forward (it is not sharded).
     """
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) > 1:  # mlx-lm's pipeline(group) was applied
+        n, rank = inner.pipeline_size, inner.pipeline_rank
+        info = Sharding(
+            group=group,
+            kind="pipeline",
+            method="given",
+            collectives_per_forward=(1 if rank < n - 1 else 0) + (1 if rank > 0 else 0) + 1,
+            layers=(int(inner.start_idx), int(inner.end_idx)),
+        )
+        object.__setattr__(model, _SHARDING_ATTR, info)
+        return info
     n = collectives_per_forward(model)
     if n == 0:
         raise ModelLoadError(
@@ -229,20 +257,41 @@ def _heads(attn: Any) -> tuple[int, int, int]:
     return int(n_heads), int(n_kv), int(head_dim)
 
 
-def shard_model(model: Any, group: Any) -> Sharding:
-    """Split ``model`` across the ranks of ``group`` (tensor parallel), in place.
+#: What :func:`shard_model` accepts as ``kind``.
+SHARDING_KINDS = ("auto", "tensor", "pipeline")
 
-    Uses the model's own ``shard(group)`` (mlx-lm's) when its attention heads divide
-    evenly across the ranks. Otherwise, for llama-style layers (``self_attn.q_proj``
-    / ``k_proj`` / ``v_proj`` / ``o_proj`` and ``mlp.gate_proj`` / ``up_proj`` /
-    ``down_proj``, dense weights), each rank takes whole groups of query heads with
-    their key/value head (as even as they go: 3 key/value heads on 2 ranks are 2 and
-    1) and an even slice of the MLP. Embeddings and the output layer stay whole on
-    every rank.
+
+def _can_pipeline(model: Any) -> bool:
+    return callable(getattr(getattr(model, "model", None), "pipeline", None))
+
+
+def shard_model(model: Any, group: Any, kind: str = "auto") -> Sharding:
+    """Split ``model`` across the ranks of ``group``, in place.
+
+    ``kind="tensor"``: uses the model's own ``shard(group)`` (mlx-lm's) when its
+    attention heads divide evenly across the ranks. Otherwise, for llama-style layers
+    (``self_attn.q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and
+    ``mlp.gate_proj`` / ``up_proj`` / ``down_proj``, dense weights), each rank takes
+    whole groups of query heads with their key/value head (as even as they go: 3
+    key/value heads on 2 ranks are 2 and 1) and an even slice of the MLP. Embeddings
+    and the output layer stay whole on every rank.
+
+    ``kind="pipeline"``: the model's own ``pipeline(group)`` (mlx-lm's, for the models
+    that have one, e.g. qwen2, qwen3_next, qwen3_5, deepseek): each rank keeps a
+    contiguous run of decoder layers; a forward passes the hidden states from rank
+    to rank (``send``/``recv``) and gathers the last rank's output on every rank.
+
+    ``kind="auto"`` (as mlx-lm's ``sharded_load``): tensor parallel when the model has
+    a ``shard`` or llama-style layers, else pipeline parallel.
 
     Raises:
-        ModelLoadError: the model cannot be split across this many ranks (with why).
+        ModelLoadError: the model cannot be split this way across this many ranks
+            (with why), or ``kind`` is unknown.
     """
+    if kind not in SHARDING_KINDS:
+        raise ModelLoadError(
+            f"unknown sharding {kind!r}: expected one of {', '.join(SHARDING_KINDS)}"
+        )
     if model_sharding(model) is not None:
         raise ModelLoadError(
             "the model is sharded already (specdec.distributed.model_sharding(model) says how)"
@@ -258,8 +307,15 @@ def shard_model(model: Any, group: Any) -> Sharding:
         heads = _heads(attn) if attn is not None and hasattr(attn, "q_proj") else None
     except ModelLoadError:  # another attention layout: only the model's own shard() applies
         heads = None
+    own_shard = callable(getattr(model, "shard", None))
+    if kind == "auto":
+        kind = (
+            "tensor" if own_shard or heads is not None or not _can_pipeline(model) else "pipeline"
+        )
+    if kind == "pipeline":
+        return _shard_pipeline(model, group, len(layers))
     even = heads is not None and heads[0] % n == 0 and heads[1] % n == 0
-    if callable(getattr(model, "shard", None)) and (even or heads is None):
+    if own_shard and (even or heads is None):
         model.shard(group)
         method = "mlx-lm"
         per = [(heads[0] // n, heads[1] // n)] * n if heads else []
@@ -279,6 +335,34 @@ def shard_model(model: Any, group: Any) -> Sharding:
             f"sharding {type(model).__name__} across {n} ranks left no collective in its "
             "forward: the model was not split (its shard() did nothing)"
         )
+    object.__setattr__(model, _SHARDING_ATTR, info)
+    return info
+
+
+def _shard_pipeline(model: Any, group: Any, n_layers: int) -> Sharding:
+    n, rank = group.size(), group.rank()
+    if not _can_pipeline(model):
+        raise ModelLoadError(
+            f"cannot split {type(model).__name__} into a pipeline: mlx-lm's model has no "
+            "pipeline(group) (use tensor parallel sharding)"
+        )
+    if n_layers < n:
+        raise ModelLoadError(
+            f"cannot split {n_layers} decoder layers across {n} ranks: use at most {n_layers} ranks"
+        )
+    inner = model.model
+    inner.pipeline(group)
+    mx.eval(model.parameters())
+    # a forward: recv from the rank before (all but the last rank), send to the next
+    # (all but rank 0), then every rank gathers rank 0's output
+    ops = (1 if rank < n - 1 else 0) + (1 if rank > 0 else 0) + 1
+    info = Sharding(
+        group=group,
+        kind="pipeline",
+        method="mlx-lm",
+        collectives_per_forward=ops,
+        layers=(int(inner.start_idx), int(inner.end_idx)),
+    )
     object.__setattr__(model, _SHARDING_ATTR, info)
     return info
 

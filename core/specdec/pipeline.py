@@ -21,12 +21,13 @@ from mlx_lm.sample_utils import make_logits_processors
 from .acceptors import auto_acceptor
 from .costs import CostModel
 from .distributed import (
+    SHARDING_KINDS,
     START,
     DistributedError,
     RankSync,
     adopt_sharding,
-    collectives_per_forward,
     launched_world,
+    looks_sharded,
     model_sharding,
     shard_model,
 )
@@ -1396,6 +1397,7 @@ def assemble(
     draft_model: Any = None,
     host: PluginHost | None = None,
     distributed: bool | None = None,
+    sharding: str = "auto",
 ) -> Pipeline:
     """Build a :class:`Pipeline` from a model (or path / Hub id) and a policy.
 
@@ -1415,6 +1417,9 @@ def assemble(
             kept in step; else a whole model on every rank, decoding independently).
             ``True``: shard a model object too, in place, and fail when this process is
             not one of several ranks. ``False``: never shard.
+        sharding: how to shard (see :func:`specdec.distributed.shard_model`):
+            ``"auto"`` (tensor parallel where the model allows it, else pipeline
+            parallel, as mlx-lm's ``sharded_load``), ``"tensor"`` or ``"pipeline"``.
 
     Raises:
         PolicyError / UnknownComponentError: bad policy or component names (before loading the model).
@@ -1446,7 +1451,15 @@ def assemble(
         h.get("acceptor", pol.acceptor)
     if pol.rollback != AUTO:
         h.get("cache_rollback", pol.rollback)
+    if sharding not in SHARDING_KINDS:
+        raise PolicyError(f"sharding must be one of {', '.join(SHARDING_KINDS)}, got {sharding!r}")
     world = None if distributed is False else launched_world()
+    if sharding != "auto" and world is None:
+        raise DistributedError(
+            f"sharding={sharding!r} splits a model across the ranks of a distributed job, "
+            "but this process is not one of several ranks (or distributed=False): start it "
+            "with mlx.launch, or leave sharding='auto'"
+        )
     if distributed and world is None:
         raise DistributedError(
             "distributed=True, but this process is not one of several ranks: start it with "
@@ -1469,12 +1482,12 @@ def assemble(
         model, tok = load_model(model_or_path, lazy=world is not None)
         tokenizer = tokenizer or tok
         if world is not None:
-            shard_model(model, world)
+            shard_model(model, world, sharding)
     else:
         model = model_or_path
         if world is not None and model_sharding(model) is None:
-            if collectives_per_forward(model) > 0:
+            if looks_sharded(model):
                 adopt_sharding(model, world)
             elif distributed:
-                shard_model(model, world)
+                shard_model(model, world, sharding)
     return Pipeline(model, tokenizer, pol, host=h)

@@ -173,6 +173,13 @@ def add_bench_parser(sub: Any, func: Any) -> None:
         "rank 0 prints; adds collectives per generated token off and on",
     )
     p.add_argument(
+        "--sharding",
+        choices=("auto", "tensor", "pipeline"),
+        default="auto",
+        help="with --distributed: tensor parallel, pipeline parallel, or auto (tensor where "
+        "the model allows it, else pipeline; default)",
+    )
+    p.add_argument(
         "--compare-single",
         action="store_true",
         help="with --distributed: after the sharded runs, rank 0 runs the same workloads on "
@@ -371,6 +378,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     world = None
     if args.compare_single and not args.distributed:
         raise CliError("--compare-single goes with --distributed")
+    if args.sharding != "auto" and not args.distributed:
+        raise CliError("--sharding goes with --distributed")
     if args.distributed:
         if batches is not None:
             raise CliError(
@@ -409,7 +418,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if world is not None:
         from ..distributed import shard_model
 
-        sharding = shard_model(model, world)
+        sharding = shard_model(model, world, args.sharding)
         speaks = sharding.rank == 0
     if args.dtype is not None:
         import mlx.core as mx
@@ -425,7 +434,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         + (f" (random weights, seed {args.seed})" if args.random_weights else "")
         + (f" cast to {args.dtype}" if args.dtype else "")
         + (
-            f", sharded across {sharding.ranks} ranks ({sharding.method}, "
+            f", sharded across {sharding.ranks} ranks ({sharding.kind}, {sharding.method}, "
             f"{sharding.collectives_per_forward} collectives per forward)"
             if sharding is not None
             else ""

@@ -132,6 +132,14 @@ def add_generate_parser(sub: Any) -> None:
         help="print one summary line on stderr: tok/s, tokens per forward, acceptance",
     )
     p.add_argument(
+        "--sharding",
+        choices=("auto", "tensor", "pipeline"),
+        default="auto",
+        help="under mlx.launch, how the model is split across the ranks: tensor parallel, "
+        "pipeline parallel, or auto (tensor where the model allows it, else pipeline; "
+        "default)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (text, tokens, stats) on stdout instead of streaming",
@@ -191,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # 2. the model
     try:
-        pipe = specdec.assemble(model, policy=policy)
+        pipe = specdec.assemble(model, policy=policy, sharding=args.sharding)
     except specdec.SpecdecError:
         raise
     except (OSError, ValueError) as exc:

@@ -43,6 +43,7 @@ from .models import (
     tiny_model_args,
 )
 from .oracle import CORRUPTIONS, OracleDrafter, oracle_plugin
+from .ranks import run_ranks
 from .sessions import feed_round, request_context
 from .toy_tokenizer import ToyTokenizer
 
@@ -70,6 +71,7 @@ __all__ = [
     "plain_greedy",
     "plugin_host",
     "request_context",
+    "run_ranks",
     "require_command",
     "require_installed",
     "skip_unless_ci",
