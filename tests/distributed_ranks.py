@@ -63,6 +63,31 @@ class RankFaultyDrafter(OracleDrafter):
         return inner
 
 
+class ProbDrafter(OracleDrafter):
+    """The oracle drafter (a reference continuation) with draft probabilities: 0.9 on
+    the proposed token, the rest spread evenly (``deterministic`` is not set, so on a
+    sharded model rank 0's ``q`` is broadcast every round)."""
+
+    def __init__(self, reference, vocab_size: int = 256, block: int = 4):
+        super().__init__(reference=reference, block=block, name="prob", vocab_size=vocab_size)
+
+    def session(self, ctx):
+        inner = super().session(ctx)
+        plain_propose, vocab = inner.propose, self.vocab_size
+
+        def propose(history, max_len):
+            draft = plain_propose(history, max_len)
+            if draft is None:
+                return None
+            toks = list(draft.tokens)
+            q = mx.full((len(toks), vocab), 0.1 / (vocab - 1))
+            q[mx.arange(len(toks)), mx.array(toks)] = 0.9
+            return Draft(tokens=toks, probs=q)
+
+        inner.propose = propose
+        return inner
+
+
 class RankFaultyAcceptor(GreedyAcceptor):
     """Greedy acceptance that raises on rank ``fail_rank`` in its ``fail_at``-th round
     (after the verify forward was queued)."""
@@ -85,6 +110,7 @@ class RankTestPlugin:
     @specdec.hookimpl
     def specdec_register_drafters(self, register):
         register("faulty", RankFaultyDrafter)
+        register("prob", ProbDrafter)
 
     @specdec.hookimpl
     def specdec_register_acceptors(self, register):
@@ -97,6 +123,18 @@ def _ban_on_rank(rank: int, token: int, after: int):
     def process(tokens, logits):
         if RANK == rank and tokens.shape[-1] >= after:
             logits[..., token] = -1e9
+        return logits
+
+    return process
+
+
+def _raise_on_rank(rank: int, after: int):
+    """A logits processor that raises on one rank once ``after`` tokens exist: after
+    the round's synchronisation, with its verify forward built but not yet run."""
+
+    def process(tokens, logits):
+        if RANK == rank and tokens.shape[-1] >= after:
+            raise RuntimeError(f"injected processor failure on rank {RANK}")
         return logits
 
     return process
@@ -148,6 +186,8 @@ def run_case(case: dict, pipes: dict) -> dict:
     ban = case.get("ban")
     if ban:
         kwargs["logits_processors"] = [_ban_on_rank(*ban)]
+    if case.get("raise"):
+        kwargs["logits_processors"] = [_raise_on_rank(*case["raise"])]
     out: dict = {"tokens": [], "error": None, "error_type": None, "rounds": rounds}
     t0 = time.perf_counter()
     try:

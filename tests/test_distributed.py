@@ -83,6 +83,19 @@ def tiny_prompt(tiny):
 
 
 @pytest.fixture(scope="module")
+def tiny_q_single(tiny, tiny_prompt, single):
+    """The q-drafting case run in this process (the same drafter, seed and model)."""
+    from distributed_ranks import RankTestPlugin
+    from specdec.testing import plugin_host
+
+    ref = tiny_prompt + single["tiny_greedy"]
+    policy = specdec.Policy(name="prob", drafters=("prob",), options={"prob": {"reference": ref}})
+    with plugin_host(RankTestPlugin()):
+        pipe = specdec.assemble(tiny, policy=policy, distributed=False)
+        return pipe.generate(tiny_prompt, max_tokens=MAX_TOKENS, temperature=1.0, seed=9).tokens
+
+
+@pytest.fixture(scope="module")
 def qwen2():
     from core_support import make_tiny_qwen2
 
@@ -150,6 +163,9 @@ def ranks(tmp_path_factory, prompt, tiny_prompt, single):
             "ban": [1, single["greedy"][4], len(prompt) + 4],
         },
         {**base, "name": "close", "policy": "copy", "close_on_rank": 1, "close_after": 3},
+        # a processor raising on rank 1 after a round's exchange, its forward built
+        {**base, "name": "processor-fails-plain", "policy": "none", "raise": [1, len(prompt) + 4]},
+        {**base, "name": "processor-fails", "policy": _oracle(ref), "raise": [1, len(prompt) + 6]},
         {**base, "name": "after-failures", "policy": "copy"},
         {
             "model": TINY,
@@ -164,6 +180,20 @@ def ranks(tmp_path_factory, prompt, tiny_prompt, single):
             "prompt": tiny_prompt,
             "max_tokens": MAX_TOKENS,
             "policy": _oracle(tiny_ref),
+            "record_rounds": True,
+        },
+        {
+            "model": TINY,
+            "name": "tiny-q-sampled",
+            "prompt": tiny_prompt,
+            "max_tokens": MAX_TOKENS,
+            "policy": {
+                "name": "prob",
+                "drafters": ["prob"],
+                "options": {"prob": {"reference": tiny_ref}},
+            },
+            "temperature": 1.0,
+            "seed": 9,
             "record_rounds": True,
         },
         {**pipe, "name": "pipeline-none", "policy": "none", "record_rounds": True},
@@ -269,6 +299,29 @@ def test_failure_on_one_rank_ends_the_request_on_both(ranks):
         # both fail in their third call: the third round
         assert "rank 1 failed at round 3:" in a["error"], a["error"]
         assert f"injected {what} failure" in a["error"]
+
+
+def test_failure_after_the_exchange_with_the_forward_built(ranks):
+    """A logits processor raising on rank 1 in round 5 or later (plain) and in a
+    speculative round: rank 1 runs the forward it built, then tells rank 0."""
+    for name in ("processor-fails-plain", "processor-fails"):
+        a, b = _case(ranks, name)
+        assert b["error_type"] == "RuntimeError" and "injected processor failure" in b["error"]
+        assert a["error_type"] == "DistributedError", (name, a["error"])
+        assert "rank 1 failed at round" in a["error"] and "processor failure" in a["error"]
+    # and both ranks went on serving: the next cases ran in step
+    assert _case(ranks, "after-failures")[0]["tokens"] == _case(ranks, "copy")[0]["tokens"]
+
+
+def test_draft_probabilities_are_broadcast_from_rank_0(ranks, tiny, tiny_prompt, tiny_q_single):
+    """A drafter with q that does not declare itself deterministic: rank 0's q is
+    broadcast every drafted round, the ranks agree, and the output is the one
+    process's with the same drafter and seed (rejection sampling with q)."""
+    a, b = _case(ranks, "tiny-q-sampled")
+    assert a["error"] is None and b["error"] is None
+    assert a["rounds"] == b["rounds"] and a["tokens"] == b["tokens"] == tiny_q_single
+    assert a["stats"]["acceptors"].get("rejection", 0) > 0
+    assert _dist(a)["q_broadcasts"] == a["stats"]["rounds_with_draft"] > 0
 
 
 def test_divergence_fails_loudly_on_both_ranks(ranks):

@@ -189,9 +189,19 @@ _COLLECTIVE_CLASSES = ("ShardedToAllLinear", "QuantizedShardedToAllLinear", "Row
 
 
 def collectives_per_forward(model: Any) -> int:
-    """How many collective operations one forward of ``model`` issues on this rank
-    (its ``sharded-to-all`` layers: one ``all_sum`` each)."""
-    return sum(1 for _, m in model.named_modules() if type(m).__name__ in _COLLECTIVE_CLASSES)
+    """How many collective operations one forward of ``model`` issues on this rank: its
+    ``sharded-to-all`` layers (one ``all_sum`` each) and mlx-lm's sharded mixture-of-
+    experts blocks (a ``sharding_group`` set by ``shard()``: one ``all_sum`` each); 0 for
+    an object that is no ``mlx.nn.Module`` (a test's stand-in)."""
+    named = getattr(model, "named_modules", None)
+    if not callable(named):
+        return 0
+    return sum(
+        1
+        for _, m in named()
+        if type(m).__name__ in _COLLECTIVE_CLASSES
+        or getattr(m, "__dict__", {}).get("sharding_group") is not None
+    )
 
 
 def looks_sharded(model: Any) -> bool:
@@ -394,7 +404,7 @@ def _shard_uneven(model: Any, layers: list, group: Any, heads: Any) -> list:
                 f"cannot shard layer {i} of {type(model).__name__}: its MLP is not "
                 "gate_proj/up_proj/down_proj"
             )
-        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.down_proj):
+        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, *(getattr(mlp, k) for k in names)):
             if type(lin) is not nn.Linear:
                 raise ModelLoadError(
                     f"cannot shard layer {i} of {type(model).__name__} unevenly: "
@@ -453,7 +463,8 @@ class _RowSync:
     #: the tokens of a round whose sync has run and whose forward has not been built:
     #: a failing rank must still run that forward.
     owed: Any = None
-    #: the lazily computed output of the forward in flight (to complete on failure).
+    #: the lazily computed output of the round's forward, once built (a failing rank
+    #: evaluates it: exactly that forward's collectives).
     in_flight: Any = None
     #: the last synchronised round has been emitted (a failure now is in the next one).
     round_closed: bool = True
@@ -584,13 +595,27 @@ class RankSync:
         x = recs[0]
         return int(x[_X0]) | (int(x[_X1]) << 31) | (int(x[_X2]) << 62)
 
-    def opened(self, st: _RowSync, history: Sequence[int]) -> None:
-        """After every rank made its sessions, before prefill: hear of a rank that failed.
+    def opened(self, st: _RowSync, history: Sequence[int], sessions: int) -> None:
+        """After every rank made its ``sessions`` drafter sessions (0: it decodes plainly,
+        e.g. a cache it cannot roll back), before prefill: hear of a rank that failed,
+        and refuse ranks that would not all speculate alike.
 
         Raises:
-            DistributedError: another rank failed to open the request.
+            DistributedError: another rank failed to open the request, or the ranks'
+                sessions differ.
         """
-        self._check(st, self._exchange(st, self._record(st, START, history)))
+        rec = self._record(st, START, history)
+        rec[_K] = sessions
+        recs = self._exchange(st, rec)
+        self._check(st, recs)
+        for r in range(1, self.size):
+            if recs[r, _K] != recs[0, _K]:
+                raise DistributedError(
+                    f"rank {r} opened the request with {int(recs[r, _K])} drafter sessions and "
+                    f"rank 0 with {int(recs[0, _K])}: on one rank speculation is off (see its "
+                    "stats.speculation_off_reason, e.g. a cache its rollbacks cannot serve), so "
+                    "the ranks cannot verify the same blocks"
+                )
 
     def round(self, st: _RowSync, history: Sequence[int], rnd: Any) -> bool:
         """Before a round's verify forward: check the ranks agree on what they committed,
@@ -638,7 +663,7 @@ class RankSync:
             rnd.block = tuple(int(t) for t in recs[0, _HEADER : _HEADER + k0]) if chosen else ()
             if rnd.chosen is not None:
                 rnd.proposals[rnd.chosen] = rnd.block
-        st.owed = (history[-1], *rnd.block)
+        st.owed, st.in_flight = (history[-1], *rnd.block), None
         needs_q = bool(recs[0, _Q])
         if not needs_q:
             rnd.q = None
@@ -659,6 +684,7 @@ class RankSync:
         rows, vocab = int(shapes[0]), int(shapes[1])
         mine = q if q is not None else mx.zeros((rows, vocab), dtype=mx.float32)
         out = mx.distributed.all_sum(mine.astype(mx.float32), group=self.group)
+        mx.eval(out)  # part of the synchronisation: never left for a failing rank to skip
         st.syncs += 2
         st.q_broadcasts += 1
         return out
@@ -667,8 +693,8 @@ class RankSync:
         """The round's tokens were committed and emitted."""
         st.round_closed = True
 
-    def launched(self, st: _RowSync, out: Any) -> None:
-        """The round's forward was built and queued (``out`` is its lazy result)."""
+    def built(self, st: _RowSync, out: Any) -> None:
+        """The round's forward was built (``out``: its lazy result, the logits)."""
         st.owed, st.in_flight = None, out
         st.forwards += 1
 
@@ -694,18 +720,24 @@ class RankSync:
         forward the other ranks are running, then tell them at their next
         synchronisation point. Never raises (the caller re-raises its own error).
 
-        ``rerun()``: runs the round's forward (the tokens in the state's ``owed``) when
-        it was owed but never built.
+        ``rerun(tokens)``: runs a forward of the model over ``tokens`` (the round's, kept
+        in the state's ``owed``) when the round's forward was owed but never built.
+        What went wrong while completing the forward is added to ``exc``'s notes; the
+        record is sent all the same.
         """
         if st.failed:
             return
         st.failed = True
         try:
-            if st.in_flight is not None:
+            if st.owed is not None:
+                if rerun is not None:
+                    rerun(st.owed)
+            elif st.in_flight is not None:
                 mx.eval(st.in_flight)
-            elif st.owed is not None and rerun is not None:
-                rerun()
-            st.in_flight = st.owed = None
+        except Exception as inner:  # noqa: BLE001 - reported on the failing rank's error
+            _note(exc, f"specdec: completing the round's forward failed too: {inner!r}")
+        st.in_flight = st.owed = None
+        try:
             rec = self._record(st, phase, history)
             if phase == ROUND and st.round_closed:  # failed while planning the next round
                 rec[_ROUND] += 1
@@ -713,8 +745,8 @@ class RankSync:
             if exc is not None:
                 self._message(rec, f"{type(exc).__name__}: {exc}")
             self._exchange(st, rec)
-        except Exception:  # a broken link: the others see the socket close
-            pass
+        except Exception as inner:  # noqa: BLE001 - a broken link: the others' sockets close
+            _note(exc, f"specdec: telling the other ranks failed: {inner!r}")
 
     def stats(
         self, st: _RowSync, forwards_prefill: int, tokens: int, *, final_sync: bool = False
@@ -736,3 +768,8 @@ class RankSync:
             "block_overrides": st.overrides,
             "q_broadcasts": st.q_broadcasts,
         }
+
+
+def _note(exc: BaseException | None, text: str) -> None:
+    if exc is not None and hasattr(exc, "add_note"):
+        exc.add_note(text)

@@ -327,6 +327,15 @@ class Pipeline:
             )
         #: The ranks' synchronisation when the model is sharded across processes.
         self.sharding = model_sharding(model)
+        if self.sharding is None and looks_sharded(model):
+            # sharded elsewhere (mlx-lm's sharded_load) and handed to Pipeline directly
+            world = launched_world()
+            if world is None:
+                raise PolicyError(
+                    "the model is sharded (its forward issues collectives) but this process is "
+                    "not one of several ranks: run it under mlx.launch"
+                )
+            self.sharding = adopt_sharding(model, world)
         self.ranks = (
             RankSync(self.sharding, policy.max_block, self.drafters)
             if self.sharding is not None
@@ -743,6 +752,7 @@ class Pipeline:
             *sorted(row.stop_ids)[:8],
             len(row.stop_strings),
             len(row.processors),
+            row.prefill_step,
         ]
         try:
             seed = ranks.start(st, row.history, request, s.seed)
@@ -752,7 +762,7 @@ class Pipeline:
             except BaseException as exc:
                 ranks.fail(st, row.history, exc, phase=START)
                 raise
-            ranks.opened(st, row.history)
+            ranks.opened(st, row.history, len(row.sessions))
             t0 = time.perf_counter()
             self._prefill(row, row.prefill_step)
             row.stats.prompt_time_s = time.perf_counter() - t0
@@ -764,18 +774,18 @@ class Pipeline:
             ranks.fail(st, row.history, None)
             raise
         except BaseException as exc:
-            ranks.fail(st, row.history, exc, rerun=lambda: self._rerun_owed(row))
+            ranks.fail(st, row.history, exc, rerun=self._rerun)
             raise
         finally:
             self._close(row)
 
-    def _rerun_owed(self, row: _Row) -> None:
-        """Run the model's own forward over the round this rank owes the other ranks (it
-        failed after the round's synchronisation, before its verify forward was built):
-        the collectives stay paired. The request is failing: what it writes to this
-        request's caches is never read."""
-        fed = row.sync.owed
-        mx.eval(self.model(mx.array([list(fed)]), cache=row.caches))
+    def _rerun(self, tokens: Sequence[int]) -> None:
+        """A forward of the model over ``tokens`` without caches, for a rank that owes the
+        other ranks a forward it never built (it failed after the round's
+        synchronisation, or part-way through building it): the collectives stay paired
+        (their shapes depend only on how many tokens are fed), and nothing depends on
+        caches a failed forward may have half-written."""
+        mx.eval(self.model(mx.array([list(tokens)])))
 
     def _open(
         self,
@@ -882,7 +892,7 @@ class Pipeline:
             if failed is not None:
                 # A sharded model's ranks feed every chunk (their collectives pair up);
                 # this rank failed on an earlier one and says so at the first round.
-                mx.eval(self.model(mx.array([chunk]), cache=caches))
+                self._rerun(chunk)
                 continue
             vr = None
             try:
@@ -898,9 +908,9 @@ class Pipeline:
                     raise
                 failed = exc
                 if vr is not None:  # the chunk's forward was built: run it to the end
-                    mx.eval(vr.logits, [c.state for c in caches])
+                    mx.eval(vr.logits)
                 else:
-                    mx.eval(self.model(mx.array([chunk]), cache=caches))
+                    self._rerun(chunk)
         if failed is not None:
             raise failed
 
@@ -998,6 +1008,8 @@ class Pipeline:
             if row.sync is not None:
                 self.ranks.round(row.sync, row.history, _Round(position=position))
             logits = self.verifier.verify(self.model, tok, row.caches).logits
+            if row.sync is not None:
+                self.ranks.built(row.sync, logits)
             if row.processors:
                 if after is None:
                     row.hist_arr = mx.array(row.history)
@@ -1007,8 +1019,6 @@ class Pipeline:
                     logits = p(row.hist_arr, logits)
             y = sampler.sample_lazy(logits[-1:], position)
             self._launch(row, y)
-            if row.sync is not None:
-                self.ranks.launched(row.sync, y)
             return _Round(position=position, lazy_token=y, t_launch=time.perf_counter())
         rnd = _Round(position=len(row.history))
         self._plan(row, rnd)
@@ -1084,11 +1094,11 @@ class Pipeline:
         rnd.txn = plan.begin() if on is None else on.txn
         try:
             vr = self.verifier.verify(self.model, inputs, row.caches)
+            if row.sync is not None:
+                self.ranks.built(row.sync, vr.logits)
             rnd.vr = vr if on is None else _joined(on.vr, vr)
             rnd.logits = self._process(rnd.vr.logits, row.history, rnd.block, row.processors)
             self._launch(row, rnd.logits)
-            if row.sync is not None:
-                self.ranks.launched(row.sync, rnd.logits)
         except BaseException:
             rnd.txn.abort()
             raise

@@ -551,12 +551,22 @@ def _single_runs(
 
     from ..loading import load_model
 
-    me = [zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF, os.getpid()]
+    nonce = int.from_bytes(os.urandom(3), "little")
+    me = [zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF, os.getpid(), nonce]
     info = np.array(mx.distributed.all_gather(mx.array(me, dtype=mx.int32), group=world))
-    info = info.reshape(world.size(), 2)
+    info = info.reshape(world.size(), 3)
     if len({int(h) for h in info[:, 0]}) > 1:
         raise CliError("--compare-single needs every rank on one host (the others wait idle)")
-    marker = Path(tempfile.gettempdir()) / f"specdec-bench-single-{int(info[0, 1])}"
+    # rank 0's pid and a fresh nonce: a marker left by an earlier run is never read
+    marker = (
+        Path(tempfile.gettempdir()) / f"specdec-bench-single-{int(info[0, 1])}-{int(info[0, 2])}"
+    )
+
+    def say(word: str) -> None:  # written whole: a polling rank never reads half a word
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(word)
+        os.replace(tmp, marker)
+
     out = None
     if world.rank() == 0:
         try:
@@ -574,14 +584,15 @@ def _single_runs(
                 baseline=None,
                 prefix="specdec bench (single process)",
             )
-            marker.write_text("ok")
+            say("ok")
         except BaseException:
-            marker.write_text("failed")
+            say("failed")
             raise
     else:
         while not marker.exists():
             time.sleep(0.2)
         if marker.read_text() != "ok":
+            marker.unlink(missing_ok=True)
             raise CliError("--compare-single: rank 0's single-process runs failed (see its error)")
     mx.eval(mx.distributed.all_sum(mx.array([1.0]), group=world))  # everyone saw the marker
     if world.rank() == 0:
