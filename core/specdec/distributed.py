@@ -220,25 +220,42 @@ def adopt_sharding(model: Any, group: Any) -> Sharding:
     """
     inner = getattr(model, "model", None)
     if getattr(inner, "pipeline_size", 1) > 1:  # mlx-lm's pipeline(group) was applied
-        n, rank = inner.pipeline_size, inner.pipeline_rank
-        info = Sharding(
-            group=group,
-            kind="pipeline",
-            method="given",
-            collectives_per_forward=(1 if rank < n - 1 else 0) + (1 if rank > 0 else 0) + 1,
-            layers=(int(inner.start_idx), int(inner.end_idx)),
-        )
-        object.__setattr__(model, _SHARDING_ATTR, info)
-        return info
+        return _pipeline_sharding(model, group, "given")
     n = collectives_per_forward(model)
     if n == 0:
         raise ModelLoadError(
             f"{type(model).__name__} issues no collective in its forward: it is not sharded "
             "(shard it with specdec.distributed.shard_model or mlx-lm's sharded_load)"
         )
-    info = Sharding(group=group, kind="tensor", method="given", collectives_per_forward=n)
+    return _recorded(
+        model, Sharding(group=group, kind="tensor", method="given", collectives_per_forward=n)
+    )
+
+
+def _recorded(model: Any, info: Sharding) -> Sharding:
+    """Record ``info`` on ``model`` (what :func:`model_sharding` returns); return it."""
     object.__setattr__(model, _SHARDING_ATTR, info)
     return info
+
+
+def _pipeline_sharding(model: Any, group: Any, method: str) -> Sharding:
+    """The :class:`Sharding` of a model mlx-lm's ``pipeline(group)`` was applied to,
+    recorded on it."""
+    inner = model.model
+    n, rank = inner.pipeline_size, inner.pipeline_rank
+    # a forward: recv from the rank before (all but the last rank), send to the next
+    # (all but rank 0), then every rank gathers rank 0's output
+    ops = (1 if rank < n - 1 else 0) + (1 if rank > 0 else 0) + 1
+    return _recorded(
+        model,
+        Sharding(
+            group=group,
+            kind="pipeline",
+            method=method,
+            collectives_per_forward=ops,
+            layers=(int(inner.start_idx), int(inner.end_idx)),
+        ),
+    )
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -345,12 +362,11 @@ def shard_model(model: Any, group: Any, kind: str = "auto") -> Sharding:
             f"sharding {type(model).__name__} across {n} ranks left no collective in its "
             "forward: the model was not split (its shard() did nothing)"
         )
-    object.__setattr__(model, _SHARDING_ATTR, info)
-    return info
+    return _recorded(model, info)
 
 
 def _shard_pipeline(model: Any, group: Any, n_layers: int) -> Sharding:
-    n, rank = group.size(), group.rank()
+    n = group.size()
     if not _can_pipeline(model):
         raise ModelLoadError(
             f"cannot split {type(model).__name__} into a pipeline: mlx-lm's model has no "
@@ -360,21 +376,9 @@ def _shard_pipeline(model: Any, group: Any, n_layers: int) -> Sharding:
         raise ModelLoadError(
             f"cannot split {n_layers} decoder layers across {n} ranks: use at most {n_layers} ranks"
         )
-    inner = model.model
-    inner.pipeline(group)
+    model.model.pipeline(group)
     mx.eval(model.parameters())
-    # a forward: recv from the rank before (all but the last rank), send to the next
-    # (all but rank 0), then every rank gathers rank 0's output
-    ops = (1 if rank < n - 1 else 0) + (1 if rank > 0 else 0) + 1
-    info = Sharding(
-        group=group,
-        kind="pipeline",
-        method="mlx-lm",
-        collectives_per_forward=ops,
-        layers=(int(inner.start_idx), int(inner.end_idx)),
-    )
-    object.__setattr__(model, _SHARDING_ATTR, info)
-    return info
+    return _pipeline_sharding(model, group, "mlx-lm")
 
 
 def _shard_uneven(model: Any, layers: list, group: Any, heads: Any) -> list:

@@ -1495,9 +1495,7 @@ def assemble(
             shard_model(model, world, sharding)
     else:
         model = model_or_path
-        if world is not None and model_sharding(model) is None:
-            if looks_sharded(model):
-                adopt_sharding(model, world)
-            elif distributed:
-                shard_model(model, world, sharding)
+        # A model sharded elsewhere is adopted by Pipeline itself.
+        if distributed and model_sharding(model) is None and not looks_sharded(model):
+            shard_model(model, world, sharding)
     return Pipeline(model, tokenizer, pol, host=h)

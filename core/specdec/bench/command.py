@@ -6,7 +6,6 @@ Every bad argument is reported before the model is loaded.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from ..cli.common import (
     default_model,
     print_json,
 )
+from ..distributed import SHARDING_KINDS
 from .plot import MATPLOTLIB_MISSING, matplotlib_available, plot_results
 from .progress import Progress
 from .runner import (
@@ -174,7 +174,7 @@ def add_bench_parser(sub: Any, func: Any) -> None:
     )
     p.add_argument(
         "--sharding",
-        choices=("auto", "tensor", "pipeline"),
+        choices=SHARDING_KINDS,
         default="auto",
         help="with --distributed: tensor parallel, pipeline parallel, or auto (tensor where "
         "the model allows it, else pipeline; default)",
@@ -429,7 +429,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _batch_bench(args, model, tokenizer, model_spec, workloads, policy, batches)
 
     measured = ", ".join(p.name for p in policies)
-    print(
+    header = (
         f"specdec bench: model {model_spec}"
         + (f" (random weights, seed {args.seed})" if args.random_weights else "")
         + (f" cast to {args.dtype}" if args.dtype else "")
@@ -441,10 +441,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         + f", policy {measured} vs none, "
         f"{args.runs} run(s) each, {args.max_tokens} tokens, temp {', '.join(f'{t:g}' for t in temps)}, "
-        f"seed {args.seed}" + (f", baseline {args.baseline}" if args.baseline else ""),
-        file=sys.stderr if speaks else io.StringIO(),
-        flush=True,
+        f"seed {args.seed}" + (f", baseline {args.baseline}" if args.baseline else "")
     )
+    if speaks:
+        print(header, file=sys.stderr, flush=True)
     results = _measure(args, model, tokenizer, workloads, policies, temps, show=speaks)
 
     single = None

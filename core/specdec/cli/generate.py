@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..distributed import SHARDING_KINDS
 from .common import (
     EXIT_OK,
     PROG,
@@ -133,7 +134,7 @@ def add_generate_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--sharding",
-        choices=("auto", "tensor", "pipeline"),
+        choices=SHARDING_KINDS,
         default="auto",
         help="under mlx.launch, how the model is split across the ranks: tensor parallel, "
         "pipeline parallel, or auto (tensor where the model allows it, else pipeline; "
