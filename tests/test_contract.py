@@ -308,8 +308,15 @@ def test_kv_view_of_rotating_cache_after_wrap_is_the_attended_window(steps):
             # the same window the kit's cache comparison sees
             kit = cache_view(c)
             assert np.array_equal(kit[1], np.array(v.keys))
+            # full_window: the last `window` entries (a query without a key of its own)
+            f = specdec.kv_view(c, full_window=True)
+            w = c.max_size
+            assert f.length == w and f.positions == tuple(range(pos - w, pos))
+            assert np.allclose(np.array(f.keys), np.array(r.keys[..., -w:, :]), atol=1e-5)
+            assert np.allclose(np.array(f.values), np.array(r.values[..., -w:, :]), atol=1e-5)
         else:
             assert v.length == pos
+            assert specdec.kv_view(c, full_window=True).length == pos
 
 
 def test_kv_view_during_propose_holds_history_but_the_last_token(models, copy_prompts):
@@ -515,7 +522,7 @@ def test_draft_model_loads_are_tied_to_the_pipeline():
 
 # -- public API only ---------------------------------------------------------------
 
-PUBLIC = {"specdec", "specdec.hookspecs", "specdec.testing"}
+PUBLIC = {"specdec", "specdec.hookspecs", "specdec.testing", "specdec.training"}
 
 
 def _plugin_sources():

@@ -28,7 +28,7 @@ if _blas_status.action == "too_late":
         stacklevel=2,
     )
 
-from . import distributed, options
+from . import distributed, options, training
 from .batch import Batch, BatchEvent, BatchKVRollback
 from .capture import ModelTaps, TapError, model_taps
 from .costs import (
@@ -39,6 +39,7 @@ from .costs import (
     best_block,
     profile_verify_cost,
 )
+from .depth import AdaptiveDepth
 from .distributed import DistributedError
 from .errors import (
     ModelLoadError,
@@ -92,13 +93,14 @@ from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.6"
+__version__ = "0.2.7"
 
 __all__ = [
     "CAPABILITIES",
     "ROLES",
     "Acceptance",
     "AcceptanceEstimate",
+    "AdaptiveDepth",
     "Acceptor",
     "BaseDrafter",
     "Batch",
@@ -165,6 +167,7 @@ __all__ = [
     "model_vocab_size",
     "distributed",
     "options",
+    "training",
     "output_layer",
     "profile_verify_cost",
     "reset_plugin_host",

@@ -44,13 +44,13 @@ class KVView:
     window: int | None = None
 
 
-def _rotating(c: Any) -> KVView | None:
+def _rotating(c: Any, full_window: bool) -> KVView | None:
     if c.keys is None:
         return None
     keep = c.keep
     k = temporal_order(c.keys, c._idx, c.offset, keep)
     v = temporal_order(c.values, c._idx, c.offset, keep)
-    w = min(c.offset, c.max_size - 1, k.shape[2])
+    w = min(c.offset, c.max_size if full_window else c.max_size - 1, k.shape[2])
     if keep and w > keep:
         k = mx.concatenate([k[..., :keep, :], k[..., k.shape[2] - (w - keep) :, :]], axis=2)
         v = mx.concatenate([v[..., :keep, :], v[..., v.shape[2] - (w - keep) :, :]], axis=2)
@@ -61,11 +61,18 @@ def _rotating(c: Any) -> KVView | None:
     return KVView(k, v, w, c.offset, positions, c.max_size)
 
 
-def kv_view(cache: Any) -> KVView | None:
-    """The view of one layer's cache, or ``None`` when it holds no K/V."""
+def kv_view(cache: Any, *, full_window: bool = False) -> KVView | None:
+    """The view of one layer's cache, or ``None`` when it holds no K/V.
+
+    Args:
+        full_window: for a rotating cache, the last ``window`` entries (what a query that
+            adds no key of its own attends to, such as the Gemma 4 assistant's) instead of
+            the last ``window - 1`` (what the target's own query at the next position
+            attends to besides its own key). Other caches are read the same either way.
+    """
     t = type(cache)
     if t is mlx_cache.RotatingKVCache:
-        return _rotating(cache)
+        return _rotating(cache, full_window)
     if t is getattr(mlx_cache, "QuantizedKVCache", None):
         if cache.keys is None:
             return None
@@ -83,6 +90,6 @@ def kv_view(cache: Any) -> KVView | None:
     return None
 
 
-def kv_views(caches: list) -> list[KVView | None]:
+def kv_views(caches: list, *, full_window: bool = False) -> list[KVView | None]:
     """:func:`kv_view` of every layer cache, in layer order."""
-    return [kv_view(c) for c in caches]
+    return [kv_view(c, full_window=full_window) for c in caches]

@@ -23,7 +23,6 @@ from specdec_qwen_mtp_gdn.checkpoint import save_hf_checkpoint
 from specdec_qwen_mtp_gdn.mtp import MTPLoadError, QwenMTP, load_mtp
 from specdec_qwen_mtp_gdn.mtp_drafter import (
     DEFAULTS,
-    AdaptiveDepth,
     QwenMTPDrafter,
     create_qwen_mtp,
 )
@@ -295,33 +294,6 @@ def test_depth_adapts_and_stays_exact(trained):
     assert out.tokens == seqs[0][8:56]
     assert out.stats.per_drafter["qwen_mtp"]["depth"] == 2
     assert set(out.stats.block_sizes) <= {0, 1, 2}
-
-
-def test_adaptive_depth_rule():
-    a = AdaptiveDepth(2, 4, window=32)
-    for _ in range(31):
-        assert a.observe(2, 2) == 2  # the window is not full yet
-    assert a.observe(2, 2) == 3 and a.grew == 1
-    for _ in range(7):
-        assert a.observe(3, 2) == 3  # reached the third position 7 times, never accepted
-    assert a.observe(3, 2) == 2 and a.shrank == 1
-    b = AdaptiveDepth(2, 4, window=32)
-    for i in range(32):
-        b.observe(2, 2 if i % 2 else 1)  # half the rounds full: below 65%
-    assert b.depth == 2
-    d = AdaptiveDepth(3, 4, window=32)
-    for _ in range(7):
-        assert d.observe(3, 0) == 3  # nothing accepted: the deep positions never reached
-    assert d.observe(3, 0) == 2 and d.shrank == 1
-    for _ in range(8):
-        d.observe(2, 0)
-    assert d.depth == 1  # down to one draft, not below
-    for _ in range(20):
-        assert d.observe(1, 0) == 1
-    c = AdaptiveDepth(2, 4, adaptive=False)
-    for _ in range(40):
-        c.observe(2, 2)
-    assert c.depth == 2
 
 
 # -- the MTP forward against an independent numpy implementation ----------------------

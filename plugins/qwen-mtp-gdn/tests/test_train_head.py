@@ -130,14 +130,14 @@ def test_a_trained_head_drafts_for_a_llama_model(tmp_path):
 
 
 def test_batched_answers_are_plain_greedy_and_record_the_targets_states():
-    from specdec_qwen_mtp_gdn.train import States, _target, batch_answers
+    from specdec.training import batch_answers, record
 
     model = make_tiny_model("llama", vocab_size=64)
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2], [9]]
     answers, states = batch_answers(model, prompts, max_tokens=12, record=4, batch_size=2)
     for p, a, st in zip(prompts, answers, states):
         assert a == plain_greedy(model, p, 12)  # left padding changes nothing
-        ref = States.of(*_target(model, p + a), 4)
+        ref = record(model, p + a, top_k=4)
         n = st.hidden.shape[0]
         assert n == len(p + a) - 1  # the last token was never fed
         assert mx.allclose(st.hidden, ref.hidden[:n], atol=1e-4).item()
@@ -149,11 +149,11 @@ def test_batched_answers_are_plain_greedy_and_record_the_targets_states():
 
 
 def test_the_sampled_loss_is_the_full_one_where_the_candidates_cover_the_vocabulary():
+    from specdec.training import TargetOutput
     from specdec_qwen_mtp_gdn.mtp import QwenMTP
-    from specdec_qwen_mtp_gdn.train import OutputLayer
 
     model = make_tiny_model("llama", vocab_size=64)
-    assert OutputLayer(model).affine
+    assert TargetOutput(model).affine
     rng = random.Random(1)
     seqs = []
     for _ in range(3):
@@ -170,7 +170,7 @@ def test_the_sampled_loss_is_the_full_one_where_the_candidates_cover_the_vocabul
     assert losses["sampled"] == pytest.approx(losses["full"], rel=1e-4)
     # A soft-capped output layer is not affine: 'auto' falls back to the full loss.
     gemma = make_tiny_model("gemma4", vocab_size=64)
-    assert not OutputLayer(gemma).affine
+    assert not TargetOutput(gemma).affine
     with pytest.raises(ValueError, match="affine"):
         train_mtp_head(gemma, seqs, steps=1, loss="sampled")
 

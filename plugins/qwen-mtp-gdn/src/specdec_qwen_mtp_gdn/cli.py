@@ -296,9 +296,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     model = pipe.model
     identity = target_identity(model)
     if args.loss == "sampled":
-        from .train import OutputLayer
-
-        if not OutputLayer(model).affine:  # before minutes of answers
+        if not specdec.training.TargetOutput(model).affine:  # before minutes of answers
             raise TrainHeadError(
                 "--loss sampled needs an affine output layer and this model's is not (e.g. "
                 "soft-capped logits); use --loss full or auto"

@@ -284,38 +284,10 @@ class QwenMTP(nn.Module):
 
 
 #: The ``config.json`` field where ``specdec train-head`` records whose head it is.
-TARGET_FIELD = "specdec_target"
+TARGET_FIELD = specdec.training.TARGET_FIELD
 
-
-def target_identity(model: Any) -> dict:
-    """What identifies a target for a trained head: architecture, sizes, and a hash of
-    its embedding table (the head reads those embeddings and the target's hidden states)."""
-    import hashlib
-
-    import numpy as np
-
-    lm = text_model(model)
-    emb = lm.model.embed_tokens
-    w = emb.weight if not hasattr(emb, "scales") else emb.scales
-    rows = w[:: max(1, w.shape[0] // 4096)]  # up to ~4k rows: cheap for any vocabulary
-    h = hashlib.sha256(np.asarray(rows.astype(mx.float32)).tobytes()).hexdigest()[:24]
-    # The same table rounded to bfloat16 and to float16: equal for the model cast to
-    # that precision (or loaded in it).
-    rounded = {
-        name: hashlib.sha256(np.asarray(rows.astype(dt).astype(mx.float32)).tobytes()).hexdigest()[
-            :24
-        ]
-        for name, dt in (("embed_sha256_bf16", mx.bfloat16), ("embed_sha256_f16", mx.float16))
-    }
-    args = lm.args
-    return {
-        "model_type": getattr(model, "model_type", None),
-        "hidden_size": int(args.hidden_size),
-        "vocab_size": int(args.vocab_size),
-        "num_hidden_layers": int(args.num_hidden_layers),
-        "embed_sha256": h,
-        **rounded,
-    }
+#: What identifies a target for a trained head (the core's, shared by the head plugins).
+target_identity = specdec.training.target_identity
 
 
 def load_mtp(
@@ -338,14 +310,10 @@ def load_mtp(
     weights, config, folder = read_mtp_weights(source)
     trained_for = config.get(TARGET_FIELD)
     if isinstance(trained_for, dict):
-        mine = target_identity(target)
-        diff = sorted(k for k, v in trained_for.items() if mine.get(k) != v)
-        hashes = [k for k in trained_for if k.startswith("embed_sha256")]
-        if any(mine.get(k) == trained_for[k] for k in hashes):
-            # the same embeddings, maybe in another precision (one of the hashes matches)
-            diff = [k for k in diff if not k.startswith("embed_sha256")]
+        # the same embeddings in another precision match (one of the hashes does)
+        diff = specdec.training.identity_mismatch(trained_for, target)
         if diff:
-            said = ", ".join(f"{k} {trained_for[k]!r}, this one {mine.get(k)!r}" for k in diff)
+            said = ", ".join(f"{k} {a!r}, this one {b!r}" for k, (a, b) in diff.items())
             raise MTPLoadError(
                 f"qwen_mtp: the head in {str(folder)!r} was trained for another model "
                 f"({said}); train one for this model with specdec train-head"

@@ -23,7 +23,6 @@ sampling they are drawn from the head's distribution with the request's sampler
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 import specdec
 from specdec import (
+    AdaptiveDepth,
     BaseDrafter,
     BaseDrafterSession,
     Draft,
@@ -68,70 +68,6 @@ def _int(label: str, v: Any, lo: int) -> int:
 
 def _frac(label: str, v: Any) -> float:
     return specdec.options.fraction_option(NAME, label, v)
-
-
-class AdaptiveDepth:
-    """How many tokens to draft next round, from the outcomes of the last ``window`` rounds.
-
-    - **Grow** by one (up to ``max_depth``) once the window is full and at least
-      ``grow_at`` of its rounds at the current depth had every draft accepted.
-    - **Shrink** by one (down to 1) once the deepest position no longer pays for its
-      draft step and its verify width: among at least 8 rounds of the window that
-      reached it (all shallower drafts accepted) it was accepted in fewer than
-      ``shrink_below`` of them, or among at least 8 rounds that drafted it fewer than
-      ``shrink_below`` reached it at all.
-
-    The window is cleared after each change, so the new depth is judged on its own.
-    """
-
-    def __init__(
-        self,
-        depth: int,
-        max_depth: int,
-        *,
-        adaptive: bool = True,
-        grow_at: float = 0.65,
-        shrink_below: float = 0.3,
-        window: int = 32,
-    ) -> None:
-        self.depth = depth
-        self.max_depth = max_depth
-        self.adaptive = adaptive
-        self.grow_at = grow_at
-        self.shrink_below = shrink_below
-        self.window = window
-        self.recent: deque = deque(maxlen=window)
-        self.grew = self.shrank = 0
-
-    def observe(self, proposed: int, accepted: int) -> int:
-        """Learn a round's outcome; returns the depth for the next round."""
-        self.recent.append((proposed, accepted))
-        if not self.adaptive:
-            return self.depth
-        at_depth = [a >= k for k, a in self.recent if k == self.depth]
-        if (
-            len(self.recent) == self.window
-            and self.depth < self.max_depth
-            and len(at_depth) >= self.window // 2
-            and sum(at_depth) / len(at_depth) >= self.grow_at
-        ):
-            self.depth += 1
-            self.grew += 1
-            self.recent.clear()
-        elif self.depth > 1:
-            deep = self.depth - 1  # drafts before the deepest position
-            drafted = [a for k, a in self.recent if k > deep]
-            reached = [a for a in drafted if a >= deep]
-            rarely_reached = len(drafted) >= 8 and len(reached) / len(drafted) < self.shrink_below
-            rarely_kept = (
-                len(reached) >= 8
-                and sum(a > deep for a in reached) / len(reached) < self.shrink_below
-            )
-            if rarely_reached or rarely_kept:
-                self.depth -= 1
-                self.shrank += 1
-                self.recent.clear()
-        return self.depth
 
 
 class QwenMTPDrafter(BaseDrafter):

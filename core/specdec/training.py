@@ -1,0 +1,657 @@
+"""Self-distillation of draft heads: the training loop the head plugins share.
+
+A draft head (an MTP head, a Gemma 4 assistant) learns ``x[t+2]`` from what the target
+computed up to ``t+1``; the labels are the target's own next-token distribution at
+``t+1``. Trained on text the target wrote itself, the head learns to propose what the
+target would say. The target stays frozen.
+
+What differs between heads is behind :class:`HeadTrainer`: the inputs of one sequence
+(:meth:`~HeadTrainer.example`), the forward over a minibatch
+(:meth:`~HeadTrainer.forward`) and, for a head with an output layer of its own,
+:meth:`~HeadTrainer.logits`. Everything else is here: recording what the target
+computed (:func:`record`, :func:`batch_answers`), the losses, the optimiser and its
+schedule, minibatching, resuming, held-out agreement (:func:`agreement`) and the
+target's identity (:func:`target_identity`) that a trained head is checked against.
+
+The losses:
+
+- ``"sampled"`` (the default where the target's output path is affine, as every tied or
+  untied ``lm_head`` without soft-capping is): the KL divergence between the target's
+  and the head's distributions restricted to a candidate set (the target's
+  ``candidates`` most likely tokens at every position of the batch plus ``negatives``
+  tokens drawn uniformly: both distributions are exact on that set), plus, for a head
+  whose output is a state in the target's hidden space, ``mse_weight`` times the
+  squared logit error over the whole vocabulary, ``||W (o - h_{t+1})||^2 / V``,
+  through the Gram matrix ``W^T W``;
+- ``"full"`` (the fallback for an output path that is not affine, e.g. soft-capping):
+  the full-vocabulary KL divergence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .capture import model_taps
+from .errors import ModelLoadError
+from .heads import model_vocab_size, output_layer
+
+LOSSES = ("auto", "sampled", "full")
+
+#: The config key under which a trained head records the target it was trained for.
+TARGET_FIELD = "specdec_target"
+
+
+def text_model(model: Any) -> Any:
+    """The language model of ``model`` (its ``language_model`` for a wrapper, else itself)."""
+    inner = getattr(model, "language_model", None)
+    return inner if inner is not None and hasattr(inner, "model") else model
+
+
+class Recorded:
+    """What the target computed over one sequence.
+
+    Attributes:
+        hidden: ``[n, H]`` hidden states after the final norm.
+        top_ids: ``[n, k]`` the ``k`` most likely next tokens at each position.
+        top1: ``[n]`` the argmax at each position.
+        kv: ``{cache index: (keys, values)}``, each ``[n, kv_heads, head_dim]``
+            (position first), for the caches asked for (``kv_layers``); empty otherwise.
+    """
+
+    __slots__ = ("hidden", "top_ids", "top1", "kv")
+
+    def __init__(
+        self, hidden: mx.array, top_ids: mx.array, top1: mx.array, kv: dict | None = None
+    ) -> None:
+        self.hidden, self.top_ids, self.top1 = hidden, top_ids, top1
+        self.kv = kv or {}
+
+    @classmethod
+    def of(cls, hidden: mx.array, logits: mx.array, k: int, kv: dict | None = None) -> Recorded:
+        """From hidden states and logits ``[n, V]``."""
+        logits = logits.astype(mx.float32)
+        k = max(1, min(k, logits.shape[-1]))
+        ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+        return cls(hidden.astype(mx.float32), ids, mx.argmax(logits, axis=-1), kv)
+
+
+def _forward(
+    model: Any, tokens: Sequence[int], kv_layers: Sequence[int] = ()
+) -> tuple[mx.array, mx.array, dict]:
+    """One teacher-forced forward: hidden ``[L, H]``, logits ``[L, V]`` float32, and the
+    K/V ``{i: ([L, kv_heads, d], ...)}`` of the caches ``kv_layers``."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    taps = model_taps(model)
+    caches = make_prompt_cache(model) if kv_layers else None
+    with taps.recording() as rec:
+        logits = model(mx.array(list(tokens))[None], cache=caches)
+    h = rec["hidden"][0]
+    kv = {}
+    n = len(tokens)
+    for i in kv_layers:
+        # A fresh cache given one multi-token update holds every position in order, a
+        # rotating one too (it keeps the whole update before any later step trims it).
+        c = caches[i]
+        if c.keys is None or c.keys.shape[2] < n:
+            raise ModelLoadError(
+                f"training: cache {i} of {type(model).__name__} does not hold the K/V of all "
+                f"{n} positions after one forward ({type(c).__name__})"
+            )
+        kv[i] = tuple(
+            x[0, :, :n, :].astype(mx.float32).transpose(1, 0, 2) for x in (c.keys, c.values)
+        )
+    mx.eval(h, logits, kv)
+    return h, logits[0].astype(mx.float32), kv
+
+
+def record(
+    model: Any, tokens: Sequence[int], *, top_k: int = 1, kv_layers: Sequence[int] = ()
+) -> Recorded:
+    """What the target computes over ``tokens``, in one teacher-forced forward.
+
+    Args:
+        top_k: most likely next tokens kept per position.
+        kv_layers: indices (in the model's cache list) of the caches whose keys and
+            values to keep, for heads that attend to the target's K/V.
+    """
+    h, logits, kv = _forward(model, tokens, kv_layers)
+    return Recorded.of(h, logits, top_k, kv)
+
+
+def target_hidden(model: Any, tokens: Sequence[int]) -> mx.array:
+    """The target's hidden states ``[L, H]`` (after its final norm) for ``tokens``, one forward."""
+    return _forward(model, tokens)[0]
+
+
+class TargetOutput:
+    """The target's output path as ``logits = h @ W.T + b`` (``W``: ``[V, H]``), read
+    through :func:`specdec.output_layer`: the layer's rows, dequantized, with a logit
+    scale folded in.
+
+    :attr:`affine` says whether the path really is affine (nothing but a scale after
+    the layer; soft-capping is not); only then are :attr:`weight`, :attr:`bias` and
+    :attr:`gram` (``W.T @ W``, built on first use) there.
+    """
+
+    def __init__(self, model: Any):
+        try:
+            layer = output_layer(model)
+        except ModelLoadError:  # an output path the core cannot read as rows
+            layer = None
+        post = None if layer is None else layer.post
+        self.affine = layer is not None and (post is None or post[0] in ("mul", "div"))
+        self.vocab = int(layer.vocab_size if layer is not None else model_vocab_size(model))
+        self.weight = self.bias = None
+        self._gram = None
+        if self.affine:
+            scale = 1.0 if post is None else (post[1] if post[0] == "mul" else 1.0 / post[1])
+            w = layer.dense().astype(mx.float32)
+            b = None if layer.bias is None else layer.bias.astype(mx.float32)
+            self.weight = w if scale == 1.0 else w * scale
+            self.bias = None if b is None else (b if scale == 1.0 else b * scale)
+            mx.eval(self.weight, self.bias)
+
+    @property
+    def gram(self) -> mx.array:
+        """``W.T @ W`` (``[H, H]``), for the whole vocabulary's logit error of a state error."""
+        if self._gram is None:
+            self._gram = self.weight.T @ self.weight
+            mx.eval(self._gram)
+        return self._gram
+
+    def logits(self, h: mx.array, ids: mx.array | None = None) -> mx.array:
+        """Logits of ``h`` (``[..., H]``) over the whole vocabulary or over ``ids``."""
+        w = self.weight if ids is None else self.weight[ids]
+        z = h @ w.T
+        if self.bias is not None:
+            z = z + (self.bias if ids is None else self.bias[ids])
+        return z
+
+
+@runtime_checkable
+class HeadTrainer(Protocol):
+    """What :func:`train_head` needs of one kind of head.
+
+    Attributes:
+        module: the head (an ``mlx.nn.Module``), trained in place.
+        kv_layers: indices of the target caches whose K/V the head reads (``()``: none);
+            :func:`record` keeps them for every sequence.
+
+    Optional:
+        ``logits(module, o, ids=None) -> [..., V or len(ids)]``: the head's own output
+        layer, for a head whose output ``o`` is not a state in the target's hidden space
+        (the Gemma 4 assistant scores with its own embeddings). Without it, ``o`` goes
+        through the target's output path.
+    """
+
+    module: nn.Module
+    kv_layers: tuple
+
+    def example(self, model: Any, seq: Sequence[int], rec: Recorded) -> dict:
+        """The head's inputs for ``seq``: arrays whose first axis is the position
+        ``t = 0 .. len(seq) - 3`` (they are right-padded along it into minibatches)."""
+        ...
+
+    def forward(self, module: nn.Module, batch: Mapping[str, mx.array]) -> mx.array:
+        """``[B, L, ...]``: what scores ``x[t+2]`` at each position (``batch`` holds the
+        examples' arrays stacked, and ``valid``, ``[B, L]``, the real positions)."""
+        ...
+
+
+class _Example:
+    """One sequence: the trainer's inputs, the target's state at ``t+1`` (its
+    distribution over ``x[t+2]``), its argmax and top ids there."""
+
+    __slots__ = ("inputs", "nxt", "top_ids", "target_top1", "n")
+
+    def __init__(self, model: Any, trainer: Any, seq: Sequence[int], k: int, rec: Any) -> None:
+        kv_layers = tuple(getattr(trainer, "kv_layers", ()) or ())
+        if rec is None or any(i not in rec.kv for i in kv_layers):
+            rec = record(model, seq, top_k=k, kv_layers=kv_layers)
+        L = len(seq)
+        self.n = L - 2
+        self.inputs = {
+            name: mx.stop_gradient(a) for name, a in trainer.example(model, seq, rec).items()
+        }
+        self.nxt = rec.hidden[1 : L - 1]
+        self.target_top1 = rec.top1[1 : L - 1]
+        self.top_ids = rec.top_ids[1 : L - 1, :k]
+        mx.eval(self.inputs, self.nxt, self.target_top1, self.top_ids)
+
+
+def _pad(a: mx.array, L: int) -> mx.array:
+    extra = L - a.shape[0]
+    return a if not extra else mx.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1))
+
+
+def _batch(exs: Sequence[_Example]) -> dict:
+    """Right-padded ``[B, L, ...]`` arrays and the mask of real positions."""
+    L = max(ex.n for ex in exs)
+    out = {name: mx.stack([_pad(ex.inputs[name], L) for ex in exs]) for name in exs[0].inputs}
+    out["nxt"] = mx.stack([_pad(ex.nxt, L) for ex in exs])
+    out["valid"] = mx.array([[i < ex.n for i in range(L)] for ex in exs]).astype(mx.float32)
+    return out
+
+
+def _kl(target_logits: mx.array, logits: mx.array) -> mx.array:
+    """KL(target || head) per position over the last axis."""
+    lt = target_logits - mx.logsumexp(target_logits, axis=-1, keepdims=True)
+    lh = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return (mx.exp(lt) * (lt - lh)).sum(axis=-1)
+
+
+def _head_logits(trainer: Any, taps: Any, module: Any, o: mx.array) -> mx.array:
+    own = getattr(trainer, "logits", None)
+    if own is not None:
+        return own(module, o).astype(mx.float32)
+    return taps.head(o).astype(mx.float32)
+
+
+def agreement(model: Any, trainer: Any, examples: Sequence[Any]) -> float:
+    """The fraction of positions where the head's argmax is the target's: the acceptance
+    of a first greedy draft on that text (``nan`` without positions).
+
+    ``examples``: token sequences (recorded here) or the examples :func:`train_head` made.
+    """
+    taps = model_taps(model)
+    right = total = 0
+    for ex in examples:
+        if not isinstance(ex, _Example):
+            if len(ex) < 3:
+                continue
+            ex = _Example(model, trainer, ex, 1, None)
+        b = _batch([ex])
+        pred = mx.argmax(
+            _head_logits(trainer, taps, trainer.module, trainer.forward(trainer.module, b))[0],
+            axis=-1,
+        )
+        right += int((pred == ex.target_top1).sum())
+        total += ex.n
+    return right / total if total else float("nan")
+
+
+def train_head(
+    model: Any,
+    trainer: Any,
+    sequences: Sequence[Sequence[int]],
+    *,
+    steps: int = 300,
+    lr: float = 3e-3,
+    seed: int = 0,
+    start_step: int = 0,
+    batch_size: int = 8,
+    loss: str = "auto",
+    candidates: int = 8,
+    negatives: int = 1024,
+    mse_weight: float = 0.05,
+    warmup: int = 20,
+    time_limit: float | None = None,
+    states: Sequence[Recorded | None] | None = None,
+    held_out_states: Sequence[Recorded | None] | None = None,
+    held_out: Sequence[Sequence[int]] = (),
+    eval_every: int = 0,
+    progress: Callable[[int, int, float, float | None], None] | None = None,
+    checkpoint: Callable[[int, Any], None] | None = None,
+    checkpoint_every: int = 0,
+    name: str = "train_head",
+) -> dict:
+    """Fit ``trainer.module`` to ``model``'s own distribution over ``sequences``.
+
+    Args:
+        model: the target (frozen).
+        trainer: a :class:`HeadTrainer`.
+        sequences: token sequences to train on (prompt + the target's continuation);
+            each needs at least 3 tokens.
+        steps: the last step (Adam; a step is one minibatch of ``batch_size`` sequences,
+            drawn in a seeded shuffled order, epoch after epoch).
+        lr: the peak learning rate (linear warm-up over ``warmup`` steps, then cosine
+            decay to a tenth at ``steps``).
+        seed: the shuffling seed (and MLX's random seed during training).
+        start_step: steps already done (resuming: training runs ``start_step+1 .. steps``).
+        loss: ``"sampled"``, ``"full"`` or ``"auto"`` (``sampled`` where the target's
+            output path is affine); see the module's docstring.
+        candidates: the target's most likely tokens per position put in the candidate set.
+        negatives: tokens drawn uniformly into the candidate set every step.
+        mse_weight: the weight of the whole-vocabulary logit error (``sampled``, heads
+            without an output layer of their own).
+        time_limit: stop after this many seconds of training (checked after each step);
+            the learning rate then decays over whichever ends first, steps or time.
+        states: the target's :class:`Recorded` over each sequence (as
+            :func:`batch_answers` records them), so no teacher-forced forward is needed;
+            ``None`` (or a ``None`` entry, or one without the K/V the head reads):
+            recorded here.
+        held_out_states: the same for ``held_out``.
+        held_out: sequences never trained on, for :func:`agreement` every
+            ``eval_every`` steps and at the end.
+        progress: ``progress(step, steps, loss, held_out_agreement_or_None)`` per step.
+        checkpoint: ``checkpoint(step, module)`` every ``checkpoint_every`` steps.
+        name: how errors name the caller.
+
+    Returns:
+        ``{"steps", "first_loss", "last_loss", "top1", "held_out_top1", "loss",
+        "train_seconds", "stopped_by_time"}`` (``steps``: the last step done; ``top1``:
+        the agreement on the training text).
+
+    Raises:
+        ValueError: no sequence of at least 3 tokens, ``steps <= start_step``, or a bad
+            ``loss``, ``batch_size``, ``candidates`` or ``negatives``.
+    """
+    import mlx.optimizers as optim
+
+    seqs = [list(s) for s in sequences if len(s) >= 3]
+    if not seqs:
+        raise ValueError(f"{name}: give at least one sequence of 3 or more tokens")
+    if steps < 1 or steps <= start_step:
+        raise ValueError(
+            f"{name}: steps must be >= 1 and above start_step ({start_step}), got {steps}"
+        )
+    if loss not in LOSSES:
+        raise ValueError(f"{name}: loss must be one of {LOSSES}, got {loss!r}")
+    for label, v, lo in (("batch_size", batch_size, 1), ("candidates", candidates, 1)):
+        if v < lo:
+            raise ValueError(f"{name}: {label} must be >= {lo}, got {v}")
+    if negatives < 0:
+        raise ValueError(f"{name}: negatives must be >= 0, got {negatives}")
+    taps = model_taps(model)
+    out = TargetOutput(model)
+    own_logits = getattr(trainer, "logits", None)
+    if loss == "auto":
+        loss = "sampled" if out.affine else "full"
+    elif loss == "sampled" and not out.affine:
+        raise ValueError(
+            f"{name}: loss 'sampled' needs an affine output layer and this model's "
+            "is not (e.g. soft-capped logits); use 'full' or 'auto'"
+        )
+    if states is not None and len(states) != len(sequences):
+        raise ValueError(f"{name}: {len(states)} states for {len(sequences)} sequences")
+    data = [
+        _Example(model, trainer, s, candidates, None if states is None else states[i])
+        for i, s in enumerate(sequences)
+        if len(s) >= 3
+    ]
+    if held_out_states is not None and len(held_out_states) != len(held_out):
+        raise ValueError(
+            f"{name}: {len(held_out_states)} states for {len(held_out)} held-out sequences"
+        )
+    held = [
+        _Example(model, trainer, s, 1, None if held_out_states is None else held_out_states[i])
+        for i, s in enumerate(held_out)
+        if len(s) >= 3
+    ]
+    mx.random.seed(seed)
+    head = trainer.module
+    head.train()
+    optimizer = optim.Adam(learning_rate=lr)
+    rng = random.Random(seed)
+    nprng = np.random.default_rng(seed)
+    vocab = out.vocab
+
+    def lr_at(step: int) -> float:  # step: 1-based
+        warm = min(1.0, step / max(1, warmup))
+        frac = min(1.0, (step - 1) / max(1, steps - 1))
+        if time_limit:
+            frac = max(frac, min(1.0, (time.perf_counter() - t0) / time_limit))
+        return lr * warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+    def sampled_loss(m: Any, b: dict, ids: mx.array) -> mx.array:
+        o = trainer.forward(m, b)
+        valid = b["valid"]
+        mine = own_logits(m, o, ids) if own_logits is not None else out.logits(o, ids)
+        loss_ = _kl(out.logits(b["nxt"], ids), mine.astype(mx.float32))
+        if own_logits is None and mse_weight:
+            d = o - b["nxt"]
+            loss_ = loss_ + mse_weight * ((d @ out.gram) * d).sum(axis=-1) / vocab
+        return (loss_ * valid).sum() / valid.sum()
+
+    def full_loss(m: Any, b: dict) -> mx.array:
+        o = trainer.forward(m, b)
+        valid = b["valid"]
+        kl = _kl(taps.head(b["nxt"]).astype(mx.float32), _head_logits(trainer, taps, m, o))
+        return (kl * valid).sum() / valid.sum()
+
+    grad_sampled = nn.value_and_grad(head, sampled_loss)
+    grad_full = nn.value_and_grad(head, full_loss)
+    order: list[int] = []
+    # Resuming continues the same shuffled stream of minibatches.
+    per_epoch = math.ceil(len(data) / batch_size)
+    for _ in range(start_step // per_epoch):
+        rng.shuffle(list(range(len(data))))
+    skip = (start_step % per_epoch) * batch_size
+
+    def next_batch() -> list[_Example]:
+        nonlocal skip
+        picked: list[_Example] = []
+        while len(picked) < min(batch_size, len(data)):
+            if not order:
+                idx = list(range(len(data)))
+                rng.shuffle(idx)
+                order.extend(idx)
+                if skip:
+                    del order[:skip]
+                    skip = 0
+            picked.append(data[order.pop(0)])
+            if not order and picked:
+                break  # an epoch's last (maybe smaller) batch
+        return picked
+
+    first = last = None
+    held_top1 = None
+    t0 = time.perf_counter()
+    done = start_step
+    stopped_by_time = False
+    for i in range(start_step, steps):
+        step = i + 1
+        optimizer.learning_rate = lr_at(step)
+        exs = next_batch()
+        b = _batch(exs)
+        if loss == "sampled":
+            cand = np.concatenate([np.asarray(ex.top_ids).reshape(-1) for ex in exs])
+            if negatives:
+                cand = np.concatenate([cand, nprng.integers(0, vocab, size=negatives)])
+            ids = mx.array(np.unique(cand).astype(np.int32))
+            value, grads = grad_sampled(head, b, ids)
+        else:
+            value, grads = grad_full(head, b)
+        optimizer.update(head, grads)
+        mx.eval(head.parameters(), optimizer.state, value)
+        last = float(value)
+        if first is None:
+            first = last
+        done = step
+        if held and eval_every and (step % eval_every == 0 or step == steps):
+            head.eval()
+            held_top1 = agreement(model, trainer, held)
+            head.train()
+        if progress is not None:
+            progress(step, steps, last, held_top1)
+        if checkpoint is not None and checkpoint_every and step % checkpoint_every == 0:
+            checkpoint(step, head)
+        if time_limit is not None and time.perf_counter() - t0 >= time_limit and step < steps:
+            stopped_by_time = True
+            break
+    head.eval()
+    if held and (held_top1 is None or stopped_by_time or done % max(1, eval_every)):
+        held_top1 = agreement(model, trainer, held)
+    return {
+        "steps": done,
+        "first_loss": first,
+        "last_loss": last,
+        "loss": loss,
+        "top1": agreement(model, trainer, data),
+        "held_out_top1": held_top1,
+        "train_seconds": round(time.perf_counter() - t0, 1),
+        "stopped_by_time": stopped_by_time,
+    }
+
+
+def _plain_cache_only(model: Any) -> bool:
+    from mlx_lm.models.cache import KVCache
+
+    try:
+        caches = model.make_cache() if hasattr(model, "make_cache") else None
+    except Exception:  # noqa: BLE001 - a model that cannot say: answer one by one
+        return False
+    if caches is None:
+        return all(hasattr(lyr, "self_attn") for lyr in text_model(model).model.layers)
+    return all(type(c) is KVCache for c in caches)
+
+
+def batch_answers(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int,
+    eos: Sequence[int] = (),
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 16,
+    record: int = 0,
+    kv_layers: Sequence[int] = (),
+    on_batch: Callable[[int], None] | None = None,
+) -> tuple[list[list[int]], list[Recorded] | None] | None:
+    """The model's answers to ``prompts`` (token lists, without the prompt), decoded in
+    left-padded batches through mlx-lm's ``BatchKVCache``: many times faster than one
+    prompt at a time on a CPU. Greedy at ``temperature`` 0, else sampled. An answer stops
+    after an ``eos`` token (kept out).
+
+    Args:
+        record: also return the target's :class:`Recorded` over each ``prompt + answer``
+            with this many top token ids per position (the forwards that wrote the
+            answers computed them: no second pass); 0: ``None`` instead.
+        kv_layers: with ``record``, also keep the K/V of these caches (each row's own
+            entries, sliced out of the batch caches).
+
+    Returns:
+        ``(answers, states)``, or ``None`` for a model whose caches are not all plain
+        K/V caches (sliding-window or linear-attention layers): answer those one by one.
+    """
+    if not _plain_cache_only(model):
+        return None
+    from mlx_lm.models.cache import BatchKVCache
+
+    taps = model_taps(model) if record else None
+    n_caches = (
+        len(model.make_cache())
+        if hasattr(model, "make_cache")
+        else len(text_model(model).model.layers)
+    )
+    stop = set(int(t) for t in eos)
+    key = mx.random.key(seed)
+    answers: list[list[int]] = []
+    states: list[Recorded] = []
+    for start in range(0, len(prompts), batch_size):
+        group = [list(p) for p in prompts[start : start + batch_size]]
+        width = max(len(p) for p in group)
+        pads = [width - len(p) for p in group]
+        x = mx.array([[0] * pad + p for pad, p in zip(pads, group)])
+        cache = [BatchKVCache(pads) for _ in range(n_caches)]
+        outs: list[list[int]] = [[] for _ in group]
+        alive = [True] * len(group)
+        steps: list[tuple[mx.array, mx.array, mx.array]] = []  # per forward: h, ids, top1
+        for _ in range(max_tokens):
+            if taps is not None:
+                with taps.recording() as rec:
+                    out = model(x, cache=cache)
+                st = Recorded.of(
+                    rec["hidden"].reshape(-1, rec["hidden"].shape[-1]),
+                    out.reshape(-1, out.shape[-1]),
+                    record,
+                )
+                n_in = x.shape[1]
+                steps.append(
+                    (
+                        st.hidden.reshape(len(group), n_in, -1),
+                        st.top_ids.reshape(len(group), n_in, -1),
+                        st.top1.reshape(len(group), n_in),
+                    )
+                )
+                logits = out[:, -1, :].astype(mx.float32)
+            else:
+                logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
+            if temperature > 0:
+                key, sub = mx.random.split(key)
+                tok = mx.random.categorical(logits / temperature, key=sub)
+            else:
+                tok = mx.argmax(logits, axis=-1)
+            mx.eval(tok, *(steps[-1] if steps else ()))
+            for r, t in enumerate(tok.tolist()):
+                if alive[r]:
+                    if t in stop:
+                        alive[r] = False
+                    else:
+                        outs[r].append(int(t))
+            if not any(alive):
+                break
+            x = tok[:, None]
+        answers.extend(outs)
+        if taps is not None:
+            h, ids, top1 = (mx.concatenate([s[j] for s in steps], axis=1) for j in range(3))
+            for r, (pad, p) in enumerate(zip(pads, group)):
+                n = len(p) + len(outs[r])  # positions 0 .. n-1 (or n-2: the last is not fed)
+                end = min(pad + n, h.shape[1])
+                kv = {}
+                for i in kv_layers:
+                    c = cache[i]
+                    # the row's own entries, copied so the group's buffers are not kept
+                    kv[i] = tuple(
+                        mx.contiguous(x[r, :, pad:end, :].transpose(1, 0, 2)).astype(mx.float32)
+                        for x in (c.keys, c.values)
+                    )
+                states.append(Recorded(h[r, pad:end], ids[r, pad:end], top1[r, pad:end], kv))
+            mx.eval([(s.hidden, s.top_ids, s.top1, s.kv) for s in states[-len(group) :]])
+        if on_batch is not None:
+            on_batch(len(group))
+    return answers, (states if taps is not None else None)
+
+
+def target_identity(model: Any) -> dict:
+    """What identifies a target for a trained head: architecture, sizes, and a hash of
+    its embedding table (a head reads those embeddings and the target's hidden states).
+
+    The hash covers up to ~4k strided rows (the scales of a quantized table), also
+    rounded to bfloat16 and float16 (``embed_sha256_bf16`` / ``embed_sha256_f16``), so
+    the same model cast to another precision is still recognised.
+    """
+    lm = text_model(model)
+    emb = lm.model.embed_tokens
+    w = emb.weight if not hasattr(emb, "scales") else emb.scales
+    rows = w[:: max(1, w.shape[0] // 4096)]  # up to ~4k rows: cheap for any vocabulary
+    h = hashlib.sha256(np.asarray(rows.astype(mx.float32)).tobytes()).hexdigest()[:24]
+    rounded = {
+        name: hashlib.sha256(np.asarray(rows.astype(dt).astype(mx.float32)).tobytes()).hexdigest()[
+            :24
+        ]
+        for name, dt in (("embed_sha256_bf16", mx.bfloat16), ("embed_sha256_f16", mx.float16))
+    }
+    args = lm.args
+    return {
+        "model_type": getattr(model, "model_type", None),
+        "hidden_size": int(args.hidden_size),
+        "vocab_size": int(args.vocab_size),
+        "num_hidden_layers": int(args.num_hidden_layers),
+        "embed_sha256": h,
+        **rounded,
+    }
+
+
+def identity_mismatch(trained_for: Mapping, model: Any) -> dict:
+    """``{field: (trained for, this model)}`` for each field of ``trained_for`` (a
+    :func:`target_identity`) that ``model`` does not match; empty for the same model.
+    The embedding hashes count as one: any of them matching (the same table in another
+    precision) is a match."""
+    mine = target_identity(model)
+    diff = sorted(k for k, v in trained_for.items() if mine.get(k) != v)
+    hashes = [k for k in trained_for if k.startswith("embed_sha256")]
+    if any(mine.get(k) == trained_for[k] for k in hashes):
+        diff = [k for k in diff if not k.startswith("embed_sha256")]
+    return {k: (trained_for[k], mine.get(k)) for k in diff}
