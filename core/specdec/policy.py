@@ -221,6 +221,17 @@ PRESETS: dict[str, Policy] = {
         governor="copy_governor",
         options={"copy_governor": {"suspend_after": 5}},
     ),
+    # A Gemma 4 assistant (specdec-plugin-gemma4-mtp; its option `assistant` names the
+    # checkpoint), which reads the target's hidden state and K/V; copy-gemma4 copies where
+    # the context has a match and uses the assistant otherwise.
+    "gemma4": Policy(name="gemma4", drafters=("gemma4_mtp",), verifier="hidden"),
+    "copy-gemma4": Policy(
+        name="copy-gemma4",
+        drafters=("ngram_copy", "gemma4_mtp"),
+        verifier="hidden",
+        governor="copy_governor",
+        options={"copy_governor": {"suspend_after": 5}},
+    ),
 }
 
 

@@ -192,6 +192,9 @@ class HeadTrainer(Protocol):
         layer, for a head whose output ``o`` is not a state in the target's hidden space
         (the Gemma 4 assistant scores with its own embeddings). Without it, ``o`` goes
         through the target's output path.
+        ``extra_loss(module, batch, o) -> [B, L]``: a further per-position loss added to
+        the distillation loss (what the head needs besides its first draft's logits: the
+        assistant's next-step state, its centroid scores).
     """
 
     module: nn.Module
@@ -365,6 +368,7 @@ def train_head(
     taps = model_taps(model)
     out = TargetOutput(model)
     own_logits = getattr(trainer, "logits", None)
+    extra = getattr(trainer, "extra_loss", None)
     if loss == "auto":
         loss = "sampled" if out.affine else "full"
     elif loss == "sampled" and not out.affine:
@@ -411,12 +415,16 @@ def train_head(
         if own_logits is None and mse_weight:
             d = o - b["nxt"]
             loss_ = loss_ + mse_weight * ((d @ out.gram) * d).sum(axis=-1) / vocab
+        if extra is not None:
+            loss_ = loss_ + extra(m, b, o)
         return (loss_ * valid).sum() / valid.sum()
 
     def full_loss(m: Any, b: dict) -> mx.array:
         o = trainer.forward(m, b)
         valid = b["valid"]
         kl = _kl(taps.head(b["nxt"]).astype(mx.float32), _head_logits(trainer, taps, m, o))
+        if extra is not None:
+            kl = kl + extra(m, b, o)
         return (kl * valid).sum() / valid.sum()
 
     grad_sampled = nn.value_and_grad(head, sampled_loss)

@@ -1,0 +1,330 @@
+"""The ``gemma4_mtp`` drafter: a Gemma 4 assistant drafts from the target's own state.
+
+A round, for a history of ``n`` tokens (the last one, at position ``n - 1``, not yet
+through the target; the target's caches hold positions ``0 .. n-2``):
+
+1. The assistant's first step reads the target's hidden state at ``n - 2`` (after its
+   final norm: the verify row that drew the last token, or the last prompt row after
+   prefill) and the token ``history[-1]``; its attention reads the target's committed
+   K/V (per layer type, the last layer of that type that owns a cache; a sliding
+   layer's last ``window`` entries).
+2. Each further step reads the previous draft and the previous step's
+   ``post_projection`` output, against the same K/V and at the same RoPE position.
+3. Nothing of the assistant's needs rolling back: it writes no cache. After the verify
+   the target's caches are rolled back by the core, and the next round reads them.
+
+The queries' RoPE position is the bonus token's (``n - 1``, Hugging Face's convention,
+``position="bonus"``) or the last committed token's (``n - 2``, vLLM's and mlx-vlm's,
+``position="last"``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import specdec
+from specdec import (
+    AdaptiveDepth,
+    BaseDrafter,
+    BaseDrafterSession,
+    Draft,
+    PrefillChunk,
+    RequestContext,
+    RoundResult,
+)
+
+from .assistant import AssistantLoadError
+from .checkpoint import load_assistant
+from .target import bind_target
+
+NAME = "gemma4_mtp"
+
+#: Default options of ``gemma4_mtp`` (see the README).
+DEFAULTS: dict[str, Any] = {
+    "assistant": None,
+    "depth": None,
+    "max_depth": None,
+    "adaptive": True,
+    "grow_at": 0.65,
+    "shrink_below": 0.3,
+    "window": 32,
+    "position": "bonus",
+    "centroids": "auto",
+    "sampled_drafts": "sample",
+}
+
+POSITIONS = ("bonus", "last")
+
+
+def _int(label: str, v: Any, lo: int) -> int:
+    return specdec.options.int_option(NAME, label, v, lo)
+
+
+def _frac(label: str, v: Any) -> float:
+    return specdec.options.fraction_option(NAME, label, v)
+
+
+class Gemma4MTPDrafter(BaseDrafter):
+    """Drafts with a Gemma 4 assistant (``gemma4_assistant`` checkpoint).
+
+    Args:
+        assistant: the assistant's checkpoint folder (config.json + safetensors).
+        depth: drafts per round to start from (``None``: the assistant's configured depth,
+            ``block_size - 1``: 3 for Google's assistants).
+        max_depth: the requested block: a ceiling the depth grows to only when at least
+            ``grow_at`` of the last ``window`` rounds reached the current depth
+            (``None``: ``depth``, no growth). The depth never falls below ``depth``.
+        adaptive: ``False`` keeps ``depth``.
+        grow_at, shrink_below, window: the :class:`specdec.AdaptiveDepth` rule.
+        position: the queries' RoPE position: ``"bonus"`` (the last token's, Hugging
+            Face) or ``"last"`` (the last committed token's, vLLM / mlx-vlm).
+        centroids: ``"auto"`` (the centroid-masked embedder when the checkpoint has one),
+            ``"off"`` (the whole tied head).
+        sampled_drafts: under temperature > 0, ``"sample"`` draws each draft from the
+            assistant's distribution and hands it over as ``q``; ``"greedy"`` drafts its
+            argmax (point masses: a seeded run emits the seeded plain run's tokens).
+
+    Raises:
+        specdec.PolicyError: an option has a bad value (before any model work).
+    """
+
+    name = NAME
+    needs = frozenset({"hidden", "kv"})
+
+    def __init__(
+        self,
+        *,
+        assistant: str | os.PathLike | None = DEFAULTS["assistant"],
+        depth: int | None = DEFAULTS["depth"],
+        max_depth: int | None = DEFAULTS["max_depth"],
+        adaptive: bool = DEFAULTS["adaptive"],
+        grow_at: float = DEFAULTS["grow_at"],
+        shrink_below: float = DEFAULTS["shrink_below"],
+        window: int = DEFAULTS["window"],
+        position: str = DEFAULTS["position"],
+        centroids: str = DEFAULTS["centroids"],
+        sampled_drafts: str = DEFAULTS["sampled_drafts"],
+    ) -> None:
+        if assistant is None:
+            raise specdec.PolicyError(
+                f"{NAME}: option assistant is required: the folder of a Gemma 4 assistant "
+                "checkpoint (config.json with model_type 'gemma4_assistant' + safetensors), "
+                f"e.g. options = {{'{NAME}': {{'assistant': 'path/to/gemma-4-E2B-it-assistant'}}}}"
+            )
+        if not isinstance(assistant, (str, os.PathLike)):
+            raise specdec.PolicyError(
+                f"{NAME}: option assistant must be a folder path, got {assistant!r}"
+            )
+        self.assistant_path = Path(os.fspath(assistant)).expanduser()
+        self.depth = None if depth is None else _int("depth", depth, 1)
+        self.max_depth = None if max_depth is None else _int("max_depth", max_depth, 1)
+        if self.depth is not None and self.max_depth is not None and self.max_depth < self.depth:
+            raise specdec.PolicyError(
+                f"{NAME}: max_depth ({max_depth}) must be >= depth ({depth})"
+            )
+        if not isinstance(adaptive, bool):
+            raise specdec.PolicyError(
+                f"{NAME}: option adaptive must be true or false, got {adaptive!r}"
+            )
+        self.adaptive = adaptive
+        self.grow_at = _frac("grow_at", grow_at)
+        self.shrink_below = _frac("shrink_below", shrink_below)
+        self.window = _int("window", window, 2)
+        if position not in POSITIONS:
+            raise specdec.PolicyError(
+                f"{NAME}: option position must be one of {list(POSITIONS)}, got {position!r}"
+            )
+        self.position = position
+        if centroids not in ("auto", "off"):
+            raise specdec.PolicyError(
+                f"{NAME}: option centroids must be 'auto' or 'off', got {centroids!r}"
+            )
+        self.centroids = centroids
+        if sampled_drafts not in ("sample", "greedy"):
+            raise specdec.PolicyError(
+                f"{NAME}: option sampled_drafts must be 'sample' or 'greedy', got "
+                f"{sampled_drafts!r}"
+            )
+        self.sampled_drafts = sampled_drafts
+        self.module = None
+        self.config = None
+        self.binding = None
+        self.info: dict = {}
+
+    def attach(self, model: Any, tokenizer: Any) -> None:
+        """Load the assistant and check it against ``model`` (once per pipeline).
+
+        Raises:
+            AssistantLoadError (a :class:`specdec.ModelLoadError`): no checkpoint there,
+                or an assistant that is not a pair with ``model`` (hidden size,
+                vocabulary, layer types, head sizes).
+        """
+        if self.binding is not None and self.binding.model is model:
+            return
+        if self.module is None:
+            from .checkpoint import read_config
+
+            cfg = read_config(self.assistant_path)  # the pair is checked before loading
+            binding = bind_target(model, cfg)
+            self.module, self.config = load_assistant(self.assistant_path)
+        else:
+            binding = bind_target(model, self.config)
+        trained_for = self.config.raw.get(specdec.training.TARGET_FIELD)
+        if isinstance(trained_for, dict):
+            diff = specdec.training.identity_mismatch(trained_for, model)
+            if diff:
+                said = ", ".join(f"{k} {a!r}, this one {b!r}" for k, (a, b) in diff.items())
+                raise AssistantLoadError(
+                    f"{NAME}: the assistant in {str(self.assistant_path)!r} was trained for "
+                    f"another model ({said})"
+                )
+        self.binding = binding
+        masked = self.centroids == "auto" and self.config.use_ordered_embeddings
+        self.info = {
+            "path": str(self.assistant_path),
+            "layers": list(self.config.layer_types),
+            "hidden_size": self.config.hidden_size,
+            "params": self.module.n_params(),
+            "configured_depth": self.config.depth,
+            "donor_layers": {t: binding.donors[t].layer for t in set(self.config.layer_types)},
+            "logits": "centroids" if masked else "dense",
+            "position": self.position,
+            "trained_by_specdec": isinstance(trained_for, dict),
+        }
+
+    def session(self, ctx: RequestContext) -> Gemma4MTPSession:
+        """A fresh per-request state (the assistant keeps no cache of its own)."""
+        if self.binding is None or self.binding.model is not ctx.model:
+            self.attach(ctx.model, ctx.tokenizer)
+        return Gemma4MTPSession(self, ctx)
+
+
+class Gemma4MTPSession(BaseDrafterSession):
+    """One request: the target's hidden row before the last token, depth, statistics."""
+
+    def __init__(self, drafter: Gemma4MTPDrafter, ctx: RequestContext) -> None:
+        self.d = drafter
+        self.module = drafter.module
+        self.binding = drafter.binding
+        self.cfg = drafter.config
+        self.caches = ctx.caches
+        self.sampler = ctx.sampler
+        self.types = self.cfg.layer_types
+        self.ropes = {t: self.binding.donors[t].rope for t in set(self.types)}
+        self.scales = {t: self.binding.donors[t].scale for t in set(self.types)}
+        self.masked = drafter.centroids == "auto" and self.cfg.use_ordered_embeddings
+        base = drafter.depth if drafter.depth is not None else self.cfg.depth
+        ceiling = max(base, drafter.max_depth if drafter.max_depth is not None else base)
+        self.adapt = AdaptiveDepth(
+            base,
+            ceiling,
+            adaptive=drafter.adaptive,
+            grow_at=drafter.grow_at,
+            shrink_below=drafter.shrink_below,
+            window=drafter.window,
+            min_depth=base,
+        )
+        self.depth = base
+        self.h: mx.array | None = None  # [1, H_target]: the target's hidden at h_pos
+        self.h_pos = -1
+        self.last: tuple[int, int] | None = None
+        self.reached = [0] * ceiling
+        self.accepted = [0] * ceiling
+        self.no_state = 0
+
+    def prefill(self, chunk: PrefillChunk) -> None:
+        """Keep the hidden state of the chunk's last position (the last one is what the
+        first round reads)."""
+        h = chunk.result.hidden
+        if h is not None and h.shape[0]:
+            self.h = h[-1:]
+            self.h_pos = chunk.start_position + len(chunk.tokens) - 1
+
+    def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
+        """Draft ``min(max_len, depth)`` tokens (lazily) from the target's state and K/V."""
+        k = min(max_len, self.depth)
+        n = len(history)
+        if k < 1 or n < 2:
+            return None
+        if self.h is None or self.h_pos != n - 2:
+            self.no_state += 1
+            return None
+        kv = self.binding.kv(self.caches, self.types)
+        if kv is None:
+            self.no_state += 1
+            return None
+        position = n - 1 if self.d.position == "bonus" else n - 2
+        greedy = self.sampler.is_greedy or self.d.sampled_drafts == "greedy"
+        h = self.h[None]  # [1, 1, H_target]
+        y = mx.array([history[-1]])
+        tokens, qs = [], []
+        for i in range(k):
+            emb = self.binding.embed_tokens(y)[None]
+            normed, h = self.module.hidden(emb, h, kv, self.ropes, position, self.scales)
+            logits = self.module.logits(normed[0], masked=self.masked)  # [1, V]
+            if greedy:
+                y = mx.argmax(logits, axis=-1)
+            else:
+                qs.append(self.sampler.probs(logits)[0])
+                y = self.sampler.sample_lazy(logits, n + i, specdec.STREAM_DRAFT)
+            tokens.append(y)
+            mx.async_eval(y)
+        self.last = (n, k)
+        return Draft(tokens=mx.concatenate(tokens), probs=mx.stack(qs) if qs else None)
+
+    def observe(self, result: RoundResult) -> None:
+        """Keep the verify row that drew the committed token; score our own proposal."""
+        start = result.start_position
+        if self.last is not None and self.last[0] == start and result.drafter == NAME:
+            self._score(len(result.block), result.n_accepted)
+        self.last = None
+        v = result.verify
+        if v is not None and v.hidden is not None:
+            a = result.n_accepted
+            self.h = v.hidden[a : a + 1]
+            self.h_pos = start - 1 + a
+        else:
+            self.h = None
+
+    def _score(self, k: int, a: int) -> None:
+        for i in range(min(k, len(self.reached))):
+            self.reached[i] += 1
+            if i < a:
+                self.accepted[i] += 1
+        self.depth = self.adapt.observe(k, a)
+
+    def end(self) -> None:
+        """Drop the request's state."""
+        self.h = None
+        self.caches = None
+
+    def stats(self) -> dict:
+        """Depth and its changes, per-position acceptance, what was loaded."""
+        per_pos = [round(a / r, 4) if r else None for a, r in zip(self.accepted, self.reached) if r]
+        return {
+            "depth": self.depth,
+            "depth_grew": self.adapt.grew,
+            "depth_shrank": self.adapt.shrank,
+            "position_reached": [r for r in self.reached if r],
+            "position_accepted": self.accepted[: len(per_pos)],
+            "position_acceptance": per_pos,
+            "rounds_without_state": self.no_state,
+            "assistant": dict(self.d.info),
+        }
+
+
+def create_gemma4_mtp(**options: Any) -> Gemma4MTPDrafter:
+    """Factory registered as ``gemma4_mtp``.
+
+    Raises:
+        specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
+    """
+    specdec.options.reject_unknown(NAME, options, DEFAULTS)
+    return Gemma4MTPDrafter(**options)
+
+
+create_gemma4_mtp.needs = Gemma4MTPDrafter.needs  # read by assemble before building
