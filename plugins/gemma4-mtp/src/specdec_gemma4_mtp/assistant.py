@@ -108,7 +108,9 @@ class AssistantConfig:
                 out of range (the message names it).
         """
         if not isinstance(cfg, Mapping):
-            raise AssistantLoadError(f"gemma4_mtp: the assistant config is not a JSON object: {cfg!r}")
+            raise AssistantLoadError(
+                f"gemma4_mtp: the assistant config is not a JSON object: {cfg!r}"
+            )
         mt = cfg.get("model_type")
         if mt != MODEL_TYPE:
             raise AssistantLoadError(

@@ -49,7 +49,9 @@ def _files(folder: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise AssistantLoadError(f"gemma4_mtp: {index} is not a safetensors index: {exc}") from exc
+            raise AssistantLoadError(
+                f"gemma4_mtp: {index} is not a safetensors index: {exc}"
+            ) from exc
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
@@ -96,7 +98,9 @@ def read_weights(folder: str | os.PathLike) -> dict[str, mx.array]:
         try:
             weights.update(mx.load(str(f)))
         except Exception as exc:
-            raise AssistantLoadError(f"gemma4_mtp: cannot read {f}: {type(exc).__name__}: {exc}") from exc
+            raise AssistantLoadError(
+                f"gemma4_mtp: cannot read {f}: {type(exc).__name__}: {exc}"
+            ) from exc
     return weights
 
 
@@ -202,7 +206,9 @@ def save_assistant(
         if not part:
             continue
         name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        mx.save_safetensors(str(out / name), {k: weights[k] for k in part}, metadata={"format": "pt"})
+        mx.save_safetensors(
+            str(out / name), {k: weights[k] for k in part}, metadata={"format": "pt"}
+        )
         for k in part:
             weight_map[k] = name
             total += weights[k].nbytes

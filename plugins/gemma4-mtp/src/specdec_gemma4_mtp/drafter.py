@@ -52,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "grow_at": 0.65,
     "shrink_below": 0.3,
     "window": 32,
-    "position": "bonus",
+    "position": None,
     "centroids": "auto",
     "sampled_drafts": "sample",
 }
@@ -81,7 +81,9 @@ class Gemma4MTPDrafter(BaseDrafter):
         adaptive: ``False`` keeps ``depth``.
         grow_at, shrink_below, window: the :class:`specdec.AdaptiveDepth` rule.
         position: the queries' RoPE position: ``"bonus"`` (the last token's, Hugging
-            Face) or ``"last"`` (the last committed token's, vLLM / mlx-vlm).
+            Face) or ``"last"`` (the last committed token's, vLLM / mlx-vlm); ``None``: the
+            one an assistant trained by ``specdec train-assistant`` was trained for
+            (``specdec_position`` in its config), else ``"bonus"``.
         centroids: ``"auto"`` (the centroid-masked embedder when the checkpoint has one),
             ``"off"`` (the whole tied head).
         sampled_drafts: under temperature > 0, ``"sample"`` draws each draft from the
@@ -105,7 +107,7 @@ class Gemma4MTPDrafter(BaseDrafter):
         grow_at: float = DEFAULTS["grow_at"],
         shrink_below: float = DEFAULTS["shrink_below"],
         window: int = DEFAULTS["window"],
-        position: str = DEFAULTS["position"],
+        position: str | None = DEFAULTS["position"],
         centroids: str = DEFAULTS["centroids"],
         sampled_drafts: str = DEFAULTS["sampled_drafts"],
     ) -> None:
@@ -123,9 +125,7 @@ class Gemma4MTPDrafter(BaseDrafter):
         self.depth = None if depth is None else _int("depth", depth, 1)
         self.max_depth = None if max_depth is None else _int("max_depth", max_depth, 1)
         if self.depth is not None and self.max_depth is not None and self.max_depth < self.depth:
-            raise specdec.PolicyError(
-                f"{NAME}: max_depth ({max_depth}) must be >= depth ({depth})"
-            )
+            raise specdec.PolicyError(f"{NAME}: max_depth ({max_depth}) must be >= depth ({depth})")
         if not isinstance(adaptive, bool):
             raise specdec.PolicyError(
                 f"{NAME}: option adaptive must be true or false, got {adaptive!r}"
@@ -134,7 +134,7 @@ class Gemma4MTPDrafter(BaseDrafter):
         self.grow_at = _frac("grow_at", grow_at)
         self.shrink_below = _frac("shrink_below", shrink_below)
         self.window = _int("window", window, 2)
-        if position not in POSITIONS:
+        if position is not None and position not in POSITIONS:
             raise specdec.PolicyError(
                 f"{NAME}: option position must be one of {list(POSITIONS)}, got {position!r}"
             )
@@ -183,6 +183,12 @@ class Gemma4MTPDrafter(BaseDrafter):
                     f"another model ({said})"
                 )
         self.binding = binding
+        self.position_used = self.position or self.config.raw.get("specdec_position") or "bonus"
+        if self.position_used not in POSITIONS:
+            raise AssistantLoadError(
+                f"{NAME}: the assistant's config says specdec_position "
+                f"{self.position_used!r}; expected one of {list(POSITIONS)}"
+            )
         masked = self.centroids == "auto" and self.config.use_ordered_embeddings
         self.info = {
             "path": str(self.assistant_path),
@@ -192,7 +198,7 @@ class Gemma4MTPDrafter(BaseDrafter):
             "configured_depth": self.config.depth,
             "donor_layers": {t: binding.donors[t].layer for t in set(self.config.layer_types)},
             "logits": "centroids" if masked else "dense",
-            "position": self.position,
+            "position": self.position_used,
             "trained_by_specdec": isinstance(trained_for, dict),
         }
 
@@ -257,7 +263,7 @@ class Gemma4MTPSession(BaseDrafterSession):
         if kv is None:
             self.no_state += 1
             return None
-        position = n - 1 if self.d.position == "bonus" else n - 2
+        position = n - 1 if self.d.position_used == "bonus" else n - 2
         greedy = self.sampler.is_greedy or self.d.sampled_drafts == "greedy"
         h = self.h[None]  # [1, 1, H_target]
         y = mx.array([history[-1]])

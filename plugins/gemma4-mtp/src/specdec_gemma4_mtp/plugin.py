@@ -19,3 +19,11 @@ def specdec_register_drafters(register):
             "position, centroids)."
         ),
     )
+
+
+@specdec.hookspecs.hookimpl
+def specdec_register_commands(subparsers):
+    """Add ``specdec train-assistant``."""
+    from .cli import add_train_assistant_parser
+
+    add_train_assistant_parser(subparsers)

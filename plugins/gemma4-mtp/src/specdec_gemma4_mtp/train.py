@@ -33,7 +33,9 @@ from .assistant import AssistantConfig, Gemma4Assistant
 from .target import TargetBinding, bind_target, text_model
 
 
-def cluster_vocabulary(embeddings: Any, clusters: int, *, iters: int = 8, seed: int = 0) -> np.ndarray:
+def cluster_vocabulary(
+    embeddings: Any, clusters: int, *, iters: int = 8, seed: int = 0
+) -> np.ndarray:
     """A ``token_ordering`` for the masked embedder: the vocabulary in ``clusters``
     clusters of equal size (``vocab / clusters`` tokens), cluster after cluster.
 
@@ -41,11 +43,15 @@ def cluster_vocabulary(embeddings: Any, clusters: int, *, iters: int = 8, seed: 
     placed in order of how strongly they prefer their best cluster, each into the best
     cluster that still has room.
     """
-    e = np.asarray(embeddings.astype(mx.float32) if isinstance(embeddings, mx.array) else embeddings)
+    e = np.asarray(
+        embeddings.astype(mx.float32) if isinstance(embeddings, mx.array) else embeddings
+    )
     e = e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-6)
     V = e.shape[0]
     if V % clusters:
-        raise ValueError(f"cluster_vocabulary: {V} tokens do not split into {clusters} equal clusters")
+        raise ValueError(
+            f"cluster_vocabulary: {V} tokens do not split into {clusters} equal clusters"
+        )
     size = V // clusters
     rng = np.random.default_rng(seed)
     cent = e[rng.choice(V, clusters, replace=False)]
@@ -274,7 +280,9 @@ class AssistantTrainer:
         cap = module.config.final_logit_softcapping
         return mx.tanh(z / cap) * cap if cap else z
 
-    def extra_loss(self, module: Gemma4Assistant, batch: Mapping[str, mx.array], o: mx.array) -> mx.array:
+    def extra_loss(
+        self, module: Gemma4Assistant, batch: Mapping[str, mx.array], o: mx.array
+    ) -> mx.array:
         target = batch["nxt"]
         d = self._next - target
         loss = self.next_weight * (d * d).mean(axis=-1) / ((target * target).mean(axis=-1) + 1e-6)
