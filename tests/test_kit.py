@@ -42,6 +42,33 @@ def test_hidden_verifier_pipeline_is_identical(models, copy_prompts):
     assert out.stats.verifier == "hidden"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma4"])
+def test_row_projection_until_the_first_rejection_is_exact(models, copy_prompts, arch):
+    """The hidden verifier's project="rows": greedy rounds project one position at a time
+    and stop at the first rejection; the output is plain decoding's, and positions after
+    a rejection are never projected (a partly wrong oracle rejects inside its blocks)."""
+    m = models[arch] if arch in models else specdec.testing.make_tiny_model(arch)
+    prompt = copy_prompts.get(arch) or copy_heavy_prompt(m, [3, 17, 42, 9, 28, 5, 61, 11], 8)
+    pol = specdec.Policy(
+        drafters=("oracle",),
+        verifier="hidden",
+        options={
+            "oracle": {"model": m, "corruption": "partial", "block": 4},
+            "hidden": {"project": "rows"},
+        },
+    )
+    check_greedy_identity(m, pol, prompt, max_tokens_list=(1, 5, 16, 30))
+    out = specdec.assemble(m, policy=pol).generate(prompt, max_tokens=30)
+    rp = out.stats.row_projection
+    assert rp["rounds"] == out.stats.rounds_with_draft > 0
+    assert rp["skipped"] > 0 and rp["rows"] + rp["skipped"] == out.stats.drafted + rp["rounds"]
+    # sampling, or the default: every position from the forward, nothing counted
+    out = specdec.assemble(m, policy=pol).generate(prompt, max_tokens=12, temperature=0.8)
+    assert out.stats.row_projection == {}
+    with pytest.raises(specdec.PolicyError, match="project must be 'all' or 'rows'"):
+        HiddenStateVerifier(project="some")
+
+
 def test_tiny_models_are_cached_and_distinct(specdec_tiny_model):
     a = specdec_tiny_model("llama")
     assert a is specdec_tiny_model("llama")

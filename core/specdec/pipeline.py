@@ -35,7 +35,14 @@ from .errors import ModelLoadError, PolicyError, RequestError, UnknownComponentE
 from .heads import model_vocab_size
 from .plugins import PluginHost, get_plugin_host
 from .policy import AUTO, Policy, load_policy
-from .roles import CAPABILITIES, PrefillChunk, RequestContext, RoundResult, VerifyResult
+from .roles import (
+    CAPABILITIES,
+    Acceptance,
+    PrefillChunk,
+    RequestContext,
+    RoundResult,
+    VerifyResult,
+)
 from .rollback import RollbackPlan, build_plan
 from .sampling import Sampler, validate_request
 from .stats import Stats
@@ -177,6 +184,9 @@ class _Round:
     committed: bool = False
     #: the lazily sampled token of a round that drafted nothing (a lookahead was fed it).
     lazy_sample: Any = None
+    #: the verifier's ``project_row(i)`` when the round's logits are projected row by row
+    #: until the first rejection (greedy, no processors); ``logits`` is then unevaluated.
+    rows: Any = None
 
 
 def _joined(a: VerifyResult, b: VerifyResult) -> VerifyResult:
@@ -1097,8 +1107,23 @@ class Pipeline:
             if row.sync is not None:
                 self.ranks.built(row.sync, vr.logits)
             rnd.vr = vr if on is None else _joined(on.vr, vr)
-            rnd.logits = self._process(rnd.vr.logits, row.history, rnd.block, row.processors)
-            self._launch(row, rnd.logits)
+            project_row = vr.extras.get("project_row") if on is None else None
+            if (
+                project_row is not None
+                and rnd.chosen is not None
+                and rnd.acceptor == "greedy"
+                and row.sampler.is_greedy
+                and not row.processors
+                and row.sync is None
+            ):
+                # The verifier projects rows on demand: queue the backbone only, and
+                # project each position's logits until the first rejection.
+                rnd.rows = project_row
+                rnd.logits = rnd.vr.logits  # left unevaluated
+                self._launch(row, rnd.vr.hidden)
+            else:
+                rnd.logits = self._process(rnd.vr.logits, row.history, rnd.block, row.processors)
+                self._launch(row, rnd.logits)
         except BaseException:
             rnd.txn.abort()
             raise
@@ -1234,7 +1259,10 @@ class Pipeline:
                 if rnd.chosen is not None:
                     rnd.proposals[rnd.chosen] = rnd.block
             positions = range(rnd.position, rnd.position + rnd.n_fed)
-            acc = acceptor.accept(rnd.block, rnd.q, rnd.logits, row.sampler, positions)
+            if rnd.rows is not None:
+                acc = self._accept_rows(row, rnd)
+            else:
+                acc = acceptor.accept(rnd.block, rnd.q, rnd.logits, row.sampler, positions)
             t_commit = time.perf_counter()
             stats.wait_time_s += t_commit - t0
             n_acc = int(acc.n_accepted)
@@ -1254,6 +1282,24 @@ class Pipeline:
             stats.verify_time_s += t_commit - rnd.t_launch
             stats.commit_time_s += t_done - t_commit
         return self._result(row, rnd, n_acc, int(acc.token))
+
+    @staticmethod
+    def _accept_rows(row: _Row, rnd: _Round) -> Acceptance:
+        """Greedy acceptance projecting the target's logits one position at a time, until
+        the first position whose argmax is not the drafted token (the positions after it
+        are never projected)."""
+        block = rnd.block
+        i = 0
+        while True:
+            tok = int(mx.argmax(rnd.rows(i), axis=-1).item())
+            if i == len(block) or tok != block[i]:
+                break
+            i += 1
+        rp = row.stats.row_projection
+        rp["rounds"] = rp.get("rounds", 0) + 1
+        rp["rows"] = rp.get("rows", 0) + i + 1
+        rp["skipped"] = rp.get("skipped", 0) + len(block) - i
+        return Acceptance(n_accepted=i, token=tok)
 
     @staticmethod
     def _result(row: _Row, rnd: _Round, n_acc: int, token: int) -> RoundResult:

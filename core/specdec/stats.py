@@ -67,6 +67,10 @@ class Stats:
             otherwise.
         batch_rows: ``{rows: rounds}`` for a request decoded as a row of a batch: how
             many rounds ran with that many rows in the forward (empty when alone).
+        row_projection: with the ``hidden`` verifier's ``project = "rows"``: ``rounds``
+            judged by projecting the target's logits one position at a time until the
+            first rejection, ``rows`` projected, ``skipped`` (positions after a rejection,
+            whose logits were never computed); empty otherwise.
         finish_reason: ``"stop"`` or ``"length"``.
     """
 
@@ -99,6 +103,7 @@ class Stats:
     verify_cost: dict = attrs.field(factory=dict)
     distributed: dict = attrs.field(factory=dict)
     batch_rows: dict = attrs.field(factory=dict)
+    row_projection: dict = attrs.field(factory=dict)
     finish_reason: str | None = None
 
     @property

@@ -45,18 +45,30 @@ class HiddenStateVerifier:
     Args:
         layers: decoder layers whose outputs every result carries (besides those
             the policy's drafters ask for through ``hidden_layers``).
+        project: ``"all"``: the logits of every fed position come from the forward
+            (the model's own call); ``"rows"``: a greedy round without logits
+            processors projects the hidden states through the model's output path one
+            position at a time and stops at the first position whose argmax is not the
+            drafted token (for a large vocabulary, the output layer of the positions
+            after a rejection is never computed; ``stats.row_projection`` counts it).
+            Other rounds use the forward's logits either way.
     """
 
     name = "hidden"
     provides = frozenset({"logits", "hidden", "layer_hidden", "kv"})
 
-    def __init__(self, layers: Sequence[int] = ()):
+    def __init__(self, layers: Sequence[int] = (), project: str = "all"):
         try:
             self.layers = tuple(int(i) for i in layers)
         except (TypeError, ValueError) as exc:
             raise PolicyError(
                 f"verifier 'hidden': option layers must be a list of layer indices, got {layers!r}"
             ) from exc
+        if project not in ("all", "rows"):
+            raise PolicyError(
+                f"verifier 'hidden': option project must be 'all' or 'rows', got {project!r}"
+            )
+        self.project = project
         self._taps = None
 
     def bind(self, model: Any, *, layers: Sequence[int] = ()) -> None:
@@ -84,8 +96,19 @@ class HiddenStateVerifier:
             taps = self._taps
         with taps.recording(self.layers) as rec:
             logits = model(tokens[None], cache=caches)
+        h = rec["hidden"]
+        extras = {}
+        if self.project == "rows":
+
+            def project_row(i: int) -> mx.array:
+                """The logits ``[vocab]`` of position ``i`` alone, through the model's own
+                output path (the forward's ``logits`` stay unevaluated)."""
+                return taps.head(h[:, i : i + 1])[0, 0].astype(mx.float32)
+
+            extras["project_row"] = project_row
         return VerifyResult(
             logits=logits[0].astype(mx.float32),
-            hidden=rec["hidden"][0],
-            layers={i: h[0] for i, h in rec["layers"].items()},
+            hidden=h[0],
+            layers={i: x[0] for i, x in rec["layers"].items()},
+            extras=extras,
         )

@@ -12,7 +12,7 @@ import specdec
 from specdec.cli import main
 from specdec.testing import check_greedy_identity, make_tiny_model, plain_greedy
 from specdec_qwen_mtp_gdn.checkpoint import save_hf_checkpoint
-from specdec_qwen_mtp_gdn.cli import STATE_FILE, SUMMARY_FILE, shipped_prompts
+from specdec_qwen_mtp_gdn.cli import STATE_FILE, SUMMARY_FILE
 from specdec_qwen_mtp_gdn.mtp import MTPLoadError, load_mtp
 from specdec_qwen_mtp_gdn.train import train_mtp_head
 
@@ -46,15 +46,6 @@ def test_a_non_empty_out_folder_needs_force_or_resume(capsys, tmp_path):
     code, cap = run(capsys, "train-head", "--out", str(tmp_path))
     assert code == 2 and "not empty" in cap.err and "--force" in cap.err and "--resume" in cap.err
     assert (tmp_path / "x").read_text() == "keep me"
-
-
-def test_the_shipped_prompts_are_no_bench_workload():
-    from specdec.bench import get_workloads
-
-    prompts = shipped_prompts()
-    assert len(prompts) >= 30
-    requests = " ".join(w.request for w in get_workloads())
-    assert not any(p in requests for p in prompts)
 
 
 def test_train_head_on_the_default_model_resume_and_draft_with_it(capsys, tmp_path):
