@@ -870,21 +870,45 @@ def _read_lines(path: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
 
 
-def _prompt_ids(args: Any, pipe: Any) -> list[list[int]]:
+def prompt_ids(
+    pipe: Any,
+    *,
+    prompts: str | None = None,
+    text: Sequence[str] = (),
+    seq_len: int = 128,
+    seed: int = 0,
+    max_sequences: int = 200,
+) -> list[list[int]]:
+    """The training commands' prompts as token lists, in their seeded order (the last
+    ``--held-out`` of them are held out): the lines of ``prompts`` (a file; default the
+    shipped ones) through the chat template when the tokenizer has one, then windows of
+    ``seq_len`` tokens of each ``text`` file; shuffled with ``seed``, the first
+    ``max_sequences`` kept."""
     from pathlib import Path
 
-    prompts = _read_lines(args.prompts) if args.prompts else shipped_prompts()
+    lines = _read_lines(prompts) if prompts else shipped_prompts()
     has_template = getattr(pipe.tokenizer, "chat_template", None) is not None
-    ids = [pipe.encode_prompt(p, chat_template=has_template) for p in prompts]
-    for f in args.text:
+    ids = [pipe.encode_prompt(p, chat_template=has_template) for p in lines]
+    for f in text:
         toks = [int(t) for t in pipe.tokenizer.encode(Path(f).read_text(encoding="utf-8"))]
-        ids.extend(toks[i : i + args.seq_len] for i in range(0, len(toks) - 2, args.seq_len))
+        ids.extend(toks[i : i + seq_len] for i in range(0, len(toks) - 2, seq_len))
     ids = [list(p) for p in ids if len(p) >= 1]
     if len(ids) < 2:
         raise TrainError("need at least 2 prompts or text windows (one is held out)")
     # A seeded shuffle: --max-sequences and the held-out tail mix prompts and windows.
-    random.Random(args.seed).shuffle(ids)
-    return ids[: args.max_sequences]
+    random.Random(seed).shuffle(ids)
+    return ids[:max_sequences]
+
+
+def _prompt_ids(args: Any, pipe: Any) -> list[list[int]]:
+    return prompt_ids(
+        pipe,
+        prompts=args.prompts,
+        text=args.text,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        max_sequences=args.max_sequences,
+    )
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:
@@ -944,7 +968,13 @@ def _make_data(
     bar.close()
     train = [s for group in answers[:-n_held] for s in group]
     held = [s for group in answers[-n_held:] for s in group]
-    data = {"train": train, "held_out": held, "prompts": len(prompts), "held_out_prompts": n_held}
+    data = {
+        "train": train,
+        "held_out": held,
+        "prompts": len(prompts),
+        "held_out_prompts": n_held,
+        "held_out_prompt_ids": prompts[-n_held:],
+    }
     # The target's states over the training text, recorded while it wrote it (not saved:
     # --resume computes them again).
     return data, (

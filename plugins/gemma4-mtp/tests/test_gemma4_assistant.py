@@ -336,3 +336,32 @@ def test_options_are_checked_before_any_model_work():
             target("gemma4"),
             policy={"drafters": ["gemma4_mtp"], "options": {"gemma4_mtp": {"assistant": "x"}}},
         )
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4-k-eq-v"])
+def test_the_target_side_gives_the_stock_logits_the_last_hidden_state_and_the_shared_kv(name):
+    """The hidden verifier's logits are the stock model's (soft-capping included), its
+    hidden state is the backbone's output, and the K/V the assistant reads are, per layer
+    type, those the target's own KV-shared layers attend to."""
+    model = target(name)
+    module, binding = new_assistant(model, layers=["sliding_attention", "full_attention"])
+    tokens = mx.array(list(range(5, 25)))
+    v = specdec.HiddenStateVerifier()
+    v.bind(model)
+    caches = make_prompt_cache(model)
+    got = v.verify(model, tokens, caches)
+    ref = model(tokens[None], cache=make_prompt_cache(model))[0]
+    assert np.array_equal(np.asarray(got.logits), np.asarray(ref.astype(mx.float32)))
+    assert float(mx.abs(ref).max()) <= 10.0  # soft-capped at 10
+    np.testing.assert_array_equal(np.asarray(got.hidden), np.asarray(model.model(tokens[None])[0]))
+    # the donors are the layers the shared layers (2: sliding, 3: full) read from
+    shared = model.model.previous_kvs
+    assert binding.donors["sliding_attention"].layer == shared[2] == 0
+    assert binding.donors["full_attention"].layer == shared[3] == 1
+    assert len(caches) == 2  # only the owning layers have caches
+    kv = binding.kv(caches, ("sliding_attention", "full_attention"))
+    assert kv["full_attention"][0].shape[2] == 20 and kv["sliding_attention"][0].shape[2] == 8
+    if name == "gemma4-k-eq-v":  # values from the key projection, v_norm'ed: not the keys
+        assert model.model.layers[1].self_attn.use_k_eq_v
+        k, val = kv["full_attention"]
+        assert not np.allclose(np.asarray(k), np.asarray(val))

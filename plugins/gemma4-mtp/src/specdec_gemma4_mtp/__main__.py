@@ -1,4 +1,5 @@
-"""``python -m specdec_gemma4_mtp costs ...``: what an assistant step costs (see
+"""``python -m specdec_gemma4_mtp costs ...``: what an assistant step costs; ``held-out
+FOLDER``: a trained assistant's per-position acceptance on its held-out prompts (see
 :mod:`specdec_gemma4_mtp.costs`)."""
 
 from __future__ import annotations
@@ -8,9 +9,19 @@ import sys
 import specdec  # noqa: F401  (first: it binds the fast BLAS before mlx is loaded)
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if not argv or argv[0] != "costs":
-        sys.exit("usage: python -m specdec_gemma4_mtp costs [--model M --assistant A | --random-weights e2b] ...")
-    from .costs import main
+    import json
 
-    sys.exit(main(argv[1:]))
+    argv = sys.argv[1:]
+    if argv[:1] == ["costs"]:
+        from .costs import main
+
+        sys.exit(main(argv[1:]))
+    if argv[:1] == ["held-out"] and len(argv) == 2:
+        from .costs import measure_held_out
+
+        print(json.dumps(measure_held_out(argv[1]), indent=1))
+        sys.exit(0)
+    sys.exit(
+        "usage: python -m specdec_gemma4_mtp costs [--model M --assistant A | --random-weights "
+        "e2b] ...\n       python -m specdec_gemma4_mtp held-out ASSISTANT_FOLDER"
+    )

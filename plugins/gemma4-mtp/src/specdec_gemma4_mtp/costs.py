@@ -217,3 +217,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = measure_step_costs(model, asst, context=args.context, block=args.block, reps=args.reps)
     print(json.dumps(res, indent=1))
     return 0
+
+
+def measure_held_out(
+    assistant: str, *, model: str | None = None, max_tokens: int = 128, depth: int = 3
+) -> dict:
+    """Per-position acceptance of an assistant ``specdec train-assistant`` wrote, drafting
+    greedily on the prompts its training held out (``train_data.json``), at a fixed depth.
+
+    Returns:
+        ``{"prompts", "rounds", "position_reached", "position_accepted",
+        "position_acceptance", "tokens_per_forward", "identical"}``.
+    """
+    from pathlib import Path
+
+    folder = Path(assistant)
+    data = json.loads((folder / specdec.training.DATA_FILE).read_text())
+    n_held = int(data["held_out_prompts"])
+    pol = specdec.load_policy("gemma4").with_options(
+        "gemma4_mtp", assistant=str(folder), depth=depth, adaptive=False
+    )
+    pipe = specdec.assemble(model, policy=pol)
+    plain = specdec.assemble(pipe.model, tokenizer=pipe.tokenizer, policy="none")
+    prompts = data.get("held_out_prompt_ids")
+    if prompts is None:  # written before core 0.2.7: the default recipe's held-out tail
+        prompts = specdec.training.prompt_ids(pipe, max_sequences=data.get("prompts", 200))
+        prompts = prompts[-n_held:]
+    reached = [0] * depth
+    accepted = [0] * depth
+    forwards = tokens = 0
+    identical = True
+    for p in prompts:
+        out = pipe.generate(p, max_tokens=max_tokens)
+        ref = plain.generate(p, max_tokens=max_tokens)
+        identical &= out.tokens == ref.tokens
+        st = out.stats.per_drafter["gemma4_mtp"]
+        for i, (r, a) in enumerate(zip(st["position_reached"], st["position_accepted"])):
+            reached[i] += r
+            accepted[i] += a
+        forwards += out.stats.target_forwards
+        tokens += out.stats.generation_tokens
+    return {
+        "prompts": len(prompts),
+        "position_reached": reached,
+        "position_accepted": accepted,
+        "position_acceptance": [round(a / r, 4) if r else None for a, r in zip(accepted, reached)],
+        "tokens_per_forward": round(tokens / forwards, 3) if forwards else None,
+        "identical": identical,
+    }
