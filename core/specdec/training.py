@@ -801,6 +801,13 @@ def add_training_arguments(p: Any, *, lr: float = 1e-3) -> None:
     )
     p.add_argument("--resume", action="store_true", help="continue the training saved in --out")
     p.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help="train on the sequences of an earlier run's train_data.json (another head on the "
+        "same text, without the model answering again) instead of new answers",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -841,6 +848,13 @@ def _check_args(args: Any) -> Any:
     for f in [*args.text, *([args.prompts] if args.prompts else [])]:
         if not os.path.isfile(f):
             raise TrainError(f"{f!r} is not a file")
+    data = getattr(args, "data", None)
+    if data is not None:
+        if args.resume:
+            raise TrainError("--data and --resume exclude each other (a resumed run has its data)")
+        if args.prompts or args.text:
+            raise TrainError("--data takes the sequences of an earlier run: no --prompts or --text")
+        _read_data(data)
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {str(out)!r} exists and is not a folder")
@@ -858,6 +872,28 @@ def _check_args(args: Any) -> Any:
             "in it, or pass --force to start afresh"
         )
     return out
+
+
+def _read_data(path: str) -> dict:
+    """An earlier run's ``train_data.json``: ``train`` and ``held_out`` token lists."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"--data {path!r} cannot be read as JSON: {exc}") from exc
+    ok = isinstance(data, dict) and all(
+        isinstance(data.get(k), list)
+        and all(isinstance(s, list) and all(isinstance(t, int) for t in s) for s in data[k])
+        for k in ("train", "held_out")
+    )
+    if not ok or not data["train"] or not data["held_out"]:
+        raise TrainError(
+            f"--data {path!r} is not a train_data.json: it needs non-empty 'train' and "
+            "'held_out' lists of token-id lists"
+        )
+    return data
 
 
 def _read_lines(path: str) -> list[str]:
@@ -1037,7 +1073,16 @@ def run_training(args: Any, command: TrainCommand) -> int:
             (out / name).unlink(missing_ok=True)
         t_data = time.perf_counter()
         kv_layers = tuple(getattr(trainer, "kv_layers", ()) or ())
-        data, (states, held_states) = _make_data(args, pipe, show, command.name, kv_layers)
+        if getattr(args, "data", None) is not None:
+            # the target's states are recorded again, one teacher-forced forward each
+            data = _read_data(args.data)
+            vocab = int(model_vocab_size(text_model(model)) or 0)
+            if any(t >= vocab or t < 0 for s in data["train"] + data["held_out"] for t in s):
+                raise TrainError(
+                    f"--data {args.data!r} has token ids outside this model's vocabulary"
+                )
+        else:
+            data, (states, held_states) = _make_data(args, pipe, show, command.name, kv_layers)
         data_seconds = round(time.perf_counter() - t_data, 1)
         (out / DATA_FILE).write_text(json.dumps(data) + "\n")
 

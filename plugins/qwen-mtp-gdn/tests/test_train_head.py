@@ -189,3 +189,38 @@ def test_resume_refuses_another_seed_or_batch_size(capsys, tmp_path):
     for flag, value in (("--seed", "1"), ("--batch-size", "4")):
         code, cap = run(capsys, "train-head", "--out", str(out), "--resume", flag, value)
         assert code == 2 and f"ran with {flag}" in cap.err, cap.err
+
+
+def test_train_head_on_an_earlier_runs_data(capsys, tmp_path):
+    """--data: another head on the sequences of an earlier run (train-assistant's, say),
+    without the model answering again; a file that is not such data is refused first."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train": [[1, 2, 3]]}))
+    code, cap = run(capsys, "train-head", "--out", str(tmp_path / "x"), "--data", str(bad))
+    assert code == 2 and "is not a train_data.json" in cap.err
+    code, cap = run(
+        capsys, "train-head", "--out", str(tmp_path / "x"), "--data", str(bad), "--resume"
+    )
+    assert code == 2 and "exclude each other" in cap.err
+    data = tmp_path / "train_data.json"
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
+    data.write_text(json.dumps({"train": seqs, "held_out": [[5, 6, 7, 8, 9]]}))
+    out = tmp_path / "head"
+    code, cap = run(
+        capsys,
+        "train-head",
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--steps",
+        "2",
+        "--save-every",
+        "1",
+        "--no-progress",
+    )
+    assert code == 0, cap.err
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["train_sequences"] == 2 and summary["held_out_sequences"] == 1
+    assert summary["steps"] == 2
+    assert json.loads((out / "train_data.json").read_text())["train"] == seqs
