@@ -10,17 +10,19 @@ from specdec.testing import OracleDrafter, make_tiny_model, plugin_host
 from specdec.testing.models import ARCHITECTURES
 
 
-def _run(model, prompt, at, reference, corruption="none", **kw):
+def _run(model, prompt, at, reference, corruption="none", verifier="logits", vopts=None, **kw):
     """Generate with the kit's oracle proposing ``reference`` only at history lengths ``at``."""
     policy = specdec.Policy(
         drafters=("oracle",),
+        verifier=verifier,
         options={
             "oracle": {
                 "reference": reference or [0],
                 "at": at,
                 "corruption": corruption,
                 "vocab_size": 64,
-            }
+            },
+            **({verifier: vopts} if vopts else {}),
         },
     )
     with plugin_host(load_entry_points=False) as host:
@@ -167,3 +169,26 @@ def test_an_error_after_a_lookahead_was_queued_undoes_it():
     # the error undid it.
     assert seen["offset"] == len(prompt) - 1 + 6 + 1
     assert seen["cache"].offset == len(prompt) - 1 + 6
+
+
+def test_row_projection_does_not_stop_a_block_fed_on_a_queued_round():
+    """The hidden verifier's project="rows" marks its results; a block fed on a round
+    queued ahead is still joined (the joined round uses the forward's logits)."""
+    model = make_tiny_model("llama", vocab_size=64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = specdec.assemble(model, policy="none").generate(prompt, max_tokens=40)
+    n = len(prompt)
+    out = _run(
+        model,
+        prompt,
+        {n, n + 12, n + 25},
+        prompt + plain.tokens,
+        corruption="partial",
+        verifier="hidden",
+        vopts={"project": "rows"},
+        max_tokens=40,
+    )
+    assert out.tokens == plain.tokens
+    assert out.stats.lookahead_extended == 2 and out.stats.lookahead_aborts == 0
+    # the first round is not queued ahead: it is judged row by row
+    assert out.stats.row_projection["rounds"] >= 1

@@ -199,7 +199,8 @@ def _joined(a: VerifyResult, b: VerifyResult) -> VerifyResult:
         logits=cat(a.logits, b.logits),
         hidden=cat(a.hidden, b.hidden),
         layers={k: cat(v, b.layers[k]) for k, v in a.layers.items() if k in b.layers},
-        extras=dict(b.extras),
+        # project_row's row indices are b's alone (an extended round uses all the logits)
+        extras={k: v for k, v in b.extras.items() if k != "project_row"},
     )
 
 
@@ -1184,7 +1185,7 @@ class Pipeline:
                 la.shadows = rnd.shadows
                 row.stats.lookahead_rounds += 1
                 return la
-            if not la.vr.extras:
+            if not set(la.vr.extras) - {"project_row"}:  # nothing that cannot be joined
                 self._launch_round(row, plan, rnd, on=la)
                 row.stats.lookahead_extended += 1
                 return rnd

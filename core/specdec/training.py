@@ -108,9 +108,8 @@ def _forward(
                 f"training: cache {i} of {type(model).__name__} does not hold the K/V of all "
                 f"{n} positions after one forward ({type(c).__name__})"
             )
-        kv[i] = tuple(
-            x[0, :, :n, :].astype(mx.float32).transpose(1, 0, 2) for x in (c.keys, c.values)
-        )
+        # in the model's dtype, copied out of the cache's buffer
+        kv[i] = tuple(mx.contiguous(x[0, :, :n, :].transpose(1, 0, 2)) for x in (c.keys, c.values))
     mx.eval(h, logits, kv)
     return h, logits[0].astype(mx.float32), kv
 
@@ -196,6 +195,9 @@ class HeadTrainer(Protocol):
         ``extra_loss(module, batch, o) -> [B, L]``: a further per-position loss added to
         the distillation loss (what the head needs besides its first draft's logits: the
         assistant's next-step state, its centroid scores).
+        ``eval_logits(module, o) -> [B, L, V]``: the logits the drafter drafts from, when
+        they are not the ones trained (a centroid-masked output layer), for
+        :func:`agreement`.
     """
 
     module: nn.Module
@@ -254,7 +256,12 @@ def _kl(target_logits: mx.array, logits: mx.array) -> mx.array:
     return (mx.exp(lt) * (lt - lh)).sum(axis=-1)
 
 
-def _head_logits(trainer: Any, taps: Any, module: Any, o: mx.array) -> mx.array:
+def _head_logits(
+    trainer: Any, taps: Any, module: Any, o: mx.array, evaluating: bool = False
+) -> mx.array:
+    ev = getattr(trainer, "eval_logits", None) if evaluating else None
+    if ev is not None:
+        return ev(module, o).astype(mx.float32)
     own = getattr(trainer, "logits", None)
     if own is not None:
         return own(module, o).astype(mx.float32)
@@ -275,9 +282,9 @@ def agreement(model: Any, trainer: Any, examples: Sequence[Any]) -> float:
                 continue
             ex = _Example(model, trainer, ex, 1, None)
         b = _batch([ex])
+        o = trainer.forward(trainer.module, b)
         pred = mx.argmax(
-            _head_logits(trainer, taps, trainer.module, trainer.forward(trainer.module, b))[0],
-            axis=-1,
+            _head_logits(trainer, taps, trainer.module, o, evaluating=True)[0], axis=-1
         )
         right += int((pred == ex.target_top1).sum())
         total += ex.n
@@ -613,7 +620,7 @@ def batch_answers(
                     c = cache[i]
                     # the row's own entries, copied so the group's buffers are not kept
                     kv[i] = tuple(
-                        mx.contiguous(x[r, :, pad:end, :].transpose(1, 0, 2)).astype(mx.float32)
+                        mx.contiguous(x[r, :, pad:end, :].transpose(1, 0, 2))
                         for x in (c.keys, c.values)
                     )
                 states.append(Recorded(h[r, pad:end], ids[r, pad:end], top1[r, pad:end], kv))

@@ -26,6 +26,7 @@ def run(capsys, *argv):
         (("--hidden-size", "0"), "--hidden-size must be >= 1"),
         (("--centroids", "-1"), "--centroids must be >= 0"),
         (("--block-size", "1"), "--block-size must be >= 2"),
+        (("--centroids", "8", "--top-k-centroids", "9"), "must be at most --centroids"),
         (("--steps", "0"), "--steps must be >= 1"),
         (("--resume",), "holds no training to resume"),
     ],
@@ -84,6 +85,9 @@ def test_train_assistant_on_the_default_model_resume_and_draft_with_it(capsys, t
     other = [a if a != "last" else "bonus" for a in common]
     code, cap = run(capsys, "train-assistant", *other, "--steps", "8", "--resume")
     assert code == 2 and "trained with --position last" in cap.err
+    other = [a if a != "384" else "192" for a in common]
+    code, cap = run(capsys, "train-assistant", *other, "--steps", "8", "--resume")
+    assert code == 2 and "has --centroids 384" in cap.err
     # Drafting with it leaves the output as plain decoding's; its position is the one
     # it was trained for.
     pol = specdec.load_policy("gemma4").with_options("gemma4_mtp", assistant=str(out))

@@ -16,12 +16,17 @@ if __name__ == "__main__":
         from .costs import main
 
         sys.exit(main(argv[1:]))
-    if argv[:1] == ["held-out"] and len(argv) == 2:
+    if (
+        argv[:1] == ["held-out"]
+        and len(argv) in (2, 4)
+        and (len(argv) == 2 or argv[2] == "--model")
+    ):
         from .costs import measure_held_out
 
-        print(json.dumps(measure_held_out(argv[1]), indent=1))
+        model = argv[3] if len(argv) == 4 else None
+        print(json.dumps(measure_held_out(argv[1], model=model), indent=1))
         sys.exit(0)
     sys.exit(
         "usage: python -m specdec_gemma4_mtp costs [--model M --assistant A | --random-weights "
-        "e2b] ...\n       python -m specdec_gemma4_mtp held-out ASSISTANT_FOLDER"
+        "e2b] ...\n       python -m specdec_gemma4_mtp held-out ASSISTANT_FOLDER [--model M]"
     )

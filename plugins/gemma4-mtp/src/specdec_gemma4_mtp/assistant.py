@@ -259,6 +259,7 @@ class _Layer(nn.Module):
         self.pre_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size, eps=eps)
         self.post_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size, eps=eps)
         self.layer_scalar = mx.ones((1,))
+        self.freeze(keys=["layer_scalar"], recurse=False)  # a buffer (as in transformers)
 
     def __call__(self, x, kv, rope, position, scale, mask):
         a = self.self_attn(self.input_layernorm(x), kv, rope, position, scale, mask)
@@ -304,6 +305,7 @@ class MaskedEmbedder(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.centroids = nn.Linear(cfg.hidden_size, cfg.num_centroids, bias=False)
         self.token_ordering = mx.arange(cfg.vocab_size, dtype=mx.int32)
+        self.freeze(keys=["token_ordering"], recurse=False)  # token ids: never trained
 
     def candidates(self, n: mx.array) -> mx.array:
         """The candidate token ids ``[rows, top_k * per_cluster]`` for normed states ``[rows, H]``."""
@@ -312,10 +314,12 @@ class MaskedEmbedder(nn.Module):
         table = self.token_ordering.reshape(self.num_centroids, self.per_cluster)
         return table[top].reshape(n.shape[0], -1)
 
-    def __call__(self, n: mx.array, embed: nn.Embedding) -> mx.array:
+    def __call__(self, n: mx.array, embed: nn.Embedding, softcap: float | None = None) -> mx.array:
         ids = self.candidates(n)  # [rows, c]
         rows = embed(ids)  # [rows, c, H] (a quantized embedding dequantizes its rows)
         sel = (rows @ n[:, :, None])[..., 0].astype(mx.float32)
+        if softcap:
+            sel = mx.tanh(sel / softcap) * softcap
         out = mx.full((n.shape[0], self.vocab_size), -mx.inf, dtype=mx.float32)
         return mx.put_along_axis(out, ids, sel, axis=-1)
 
@@ -372,13 +376,13 @@ class Gemma4Assistant(nn.Module):
 
         Args:
             masked: use the centroid-masked embedder when the assistant has one (``-inf``
-                outside its candidates); ``False``: the whole tied head.
+                outside its candidates, soft-capping applied to the candidates only);
+                ``False``: the whole tied head.
         """
-        if masked and getattr(self, "masked_embedding", None) is not None:
-            out = self.masked_embedding(n, self.model.embed_tokens)
-        else:
-            out = self.model.embed_tokens.as_linear(n).astype(mx.float32)
         cap = self.config.final_logit_softcapping
+        if masked and getattr(self, "masked_embedding", None) is not None:
+            return self.masked_embedding(n, self.model.embed_tokens, cap)
+        out = self.model.embed_tokens.as_linear(n).astype(mx.float32)
         if cap:
             out = mx.tanh(out / cap) * cap
         return out

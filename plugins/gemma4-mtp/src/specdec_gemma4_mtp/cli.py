@@ -41,7 +41,7 @@ def add_train_assistant_parser(sub: Any) -> None:
     specdec.training.add_training_arguments(p, lr=1e-3)
     p.add_argument(
         "--layers",
-        default="1",
+        default=None,
         help="the assistant's layers: a count (that many layers reading the K/V of the "
         "target's last layer type) or their types, comma-separated: sliding, full "
         "(default: 1)",
@@ -60,14 +60,14 @@ def add_train_assistant_parser(sub: Any) -> None:
     p.add_argument(
         "--centroids",
         type=int,
-        default=0,
+        default=None,
         help="clusters of a centroid-masked output layer (0: the whole tied head; the "
         "vocabulary must split into them evenly) (default: 0)",
     )
     p.add_argument(
         "--top-k-centroids",
         type=int,
-        default=32,
+        default=None,
         help="clusters the masked output layer scores per step (default: 32)",
     )
     p.add_argument(
@@ -80,8 +80,10 @@ def add_train_assistant_parser(sub: Any) -> None:
     p.add_argument(
         "--block-size",
         type=int,
-        default=4,
-        help="drafts per round plus one, written to the config (default: 4)",
+        default=None,
+        help="drafts per round plus one, written to the config: the drafter's starting and "
+        "least depth (default: 2, one draft; gemma4_mtp's max_depth lets it grow; Google's "
+        "assistants have 4)",
     )
     p.set_defaults(func=cmd_train_assistant)
 
@@ -106,7 +108,8 @@ def _layers(spec: str) -> int | list[str]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    _layers(args.layers)
+    if args.layers is not None:
+        _layers(args.layers)
     for flag, v, lo in (
         ("--hidden-size", args.hidden_size, 1),
         ("--intermediate-size", args.intermediate_size, 1),
@@ -117,6 +120,11 @@ def _check(args: argparse.Namespace) -> None:
     ):
         if v is not None and v < lo:
             raise specdec.training.TrainError(f"{flag} must be >= {lo}, got {v}")
+    if args.centroids and (args.top_k_centroids or 32) > args.centroids:
+        raise specdec.training.TrainError(
+            f"--top-k-centroids ({args.top_k_centroids or 32}) must be at most --centroids "
+            f"({args.centroids})"
+        )
 
 
 def _make_trainer(model: Any, args: argparse.Namespace, resume: Any) -> Any:
@@ -134,17 +142,37 @@ def _make_trainer(model: Any, args: argparse.Namespace, resume: Any) -> Any:
                 f"--resume: the assistant in {str(resume)!r} was trained with --position "
                 f"{position}; give the same --position"
             )
+        layers = None if args.layers is None else _layers(args.layers)
+        given = {
+            "--layers": (
+                len(cfg.layer_types) if isinstance(layers, int) else list(cfg.layer_types),
+                layers,
+            ),
+            "--hidden-size": (cfg.hidden_size, args.hidden_size),
+            "--intermediate-size": (cfg.intermediate_size, args.intermediate_size),
+            "--heads": (cfg.num_attention_heads, args.heads),
+            "--centroids": (cfg.num_centroids if cfg.use_ordered_embeddings else 0, args.centroids),
+            "--block-size": (cfg.block_size, args.block_size),
+        }
+        if cfg.use_ordered_embeddings:
+            given["--top-k-centroids"] = (cfg.centroid_intermediate_top_k, args.top_k_centroids)
+        for flag, (have, want) in given.items():
+            if want is not None and want != have:
+                raise specdec.training.TrainError(
+                    f"--resume: the assistant in {str(resume)!r} has {flag} {have}; its shape "
+                    f"comes from the checkpoint (give {flag} {have} or leave it out)"
+                )
         binding = bind_target(model, cfg)
     else:
         module, binding = new_assistant(
             model,
             hidden_size=args.hidden_size,
             intermediate_size=args.intermediate_size,
-            layers=_layers(args.layers),
+            layers=_layers(args.layers or "1"),
             heads=args.heads,
-            block_size=args.block_size,
-            centroids=args.centroids,
-            top_k_centroids=args.top_k_centroids,
+            block_size=args.block_size or 2,
+            centroids=args.centroids or 0,
+            top_k_centroids=args.top_k_centroids or 32,
             seed=args.seed,
         )
     trainer = AssistantTrainer(module, binding, position=args.position)

@@ -182,6 +182,12 @@ class Gemma4MTPDrafter(BaseDrafter):
                     f"{NAME}: the assistant in {str(self.assistant_path)!r} was trained for "
                     f"another model ({said})"
                 )
+        if self.depth is None and self.max_depth is not None and self.max_depth < self.config.depth:
+            raise specdec.PolicyError(
+                f"{NAME}: max_depth ({self.max_depth}) is below the assistant's configured depth "
+                f"({self.config.depth}, block_size {self.config.block_size}); set depth too, or "
+                f"a max_depth of at least {self.config.depth}"
+            )
         self.binding = binding
         self.position_used = self.position or self.config.raw.get("specdec_position") or "bonus"
         if self.position_used not in POSITIONS:
@@ -203,9 +209,15 @@ class Gemma4MTPDrafter(BaseDrafter):
         }
 
     def session(self, ctx: RequestContext) -> Gemma4MTPSession:
-        """A fresh per-request state (the assistant keeps no cache of its own)."""
+        """A fresh per-request state (the assistant keeps no cache of its own).
+
+        Raises:
+            AssistantLoadError: the target's cache of a layer the assistant reads is not
+                one whose K/V can be read (names the layer and the cache type).
+        """
         if self.binding is None or self.binding.model is not ctx.model:
             self.attach(ctx.model, ctx.tokenizer)
+        self.binding.check_caches(ctx.caches, self.config.layer_types)
         return Gemma4MTPSession(self, ctx)
 
 

@@ -68,6 +68,38 @@ class TargetBinding:
         """The scaled target embeddings of ``tokens``."""
         return self.embed(tokens) * self.scale
 
+    def check_caches(self, caches: Sequence[Any], types: Sequence[str]) -> None:
+        """Raise unless every donor of ``types`` has a cache :func:`specdec.kv_view` reads.
+
+        Raises:
+            AssistantLoadError: naming the layer and what its cache is.
+        """
+        from mlx_lm.models import cache as mlx_cache
+
+        readable = tuple(
+            c
+            for c in (
+                mlx_cache.KVCache,
+                mlx_cache.RotatingKVCache,
+                getattr(mlx_cache, "QuantizedKVCache", None),
+            )
+            if c is not None
+        )
+        for t in dict.fromkeys(types):
+            d = self.donors[t]
+            if d.layer >= len(caches):
+                raise AssistantLoadError(
+                    f"gemma4_mtp: the target has {len(caches)} caches, none for layer {d.layer} "
+                    f"whose {t} K/V the assistant reads"
+                )
+            c = caches[d.layer]
+            if type(c) not in readable:
+                raise AssistantLoadError(
+                    f"gemma4_mtp: the target's cache of layer {d.layer} ({t}) is a "
+                    f"{type(c).__name__}, whose K/V cannot be read; the assistant reads "
+                    f"{[k.__name__ for k in readable]}"
+                )
+
     def kv(self, caches: Sequence[Any], types: Sequence[str]) -> dict:
         """Per layer type in ``types``, the committed ``(keys, values)`` of its donor cache.
 
@@ -76,10 +108,7 @@ class TargetBinding:
         """
         out = {}
         for t in dict.fromkeys(types):
-            d = self.donors[t]
-            if d.layer >= len(caches):
-                return None
-            v = specdec.kv_view(caches[d.layer], full_window=True)
+            v = specdec.kv_view(caches[self.donors[t].layer], full_window=True)
             if v is None or v.length == 0:
                 return None
             out[t] = (v.keys, v.values)
@@ -143,6 +172,12 @@ def bind_target(model: Any, cfg: AssistantConfig) -> TargetBinding:
         raise AssistantLoadError(
             f"gemma4_mtp: the assistant's vocabulary has {cfg.vocab_size} tokens, the "
             f"target's {vocab}: they are not a pair"
+        )
+    window = getattr(args, "sliding_window", None)
+    if "sliding_attention" in cfg.layer_types and window and window != cfg.sliding_window:
+        raise AssistantLoadError(
+            f"gemma4_mtp: the assistant's sliding layers attend to a window of "
+            f"{cfg.sliding_window} keys, the target's sliding window is {window}"
         )
     for i, t in enumerate(cfg.layer_types):
         d = donors[t]

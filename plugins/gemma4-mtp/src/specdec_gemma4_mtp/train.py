@@ -107,18 +107,6 @@ def new_assistant(
     args = tm.args
     H = int(args.hidden_size)
     V = int(specdec.model_vocab_size(tm))
-    probe = AssistantConfig(
-        backbone_hidden_size=H,
-        hidden_size=1,
-        intermediate_size=1,
-        num_hidden_layers=1,
-        layer_types=("full_attention",),
-        num_attention_heads=1,
-        head_dim=1,
-        global_head_dim=1,
-        sliding_window=1,
-        vocab_size=V,
-    )
     types_avail = tuple(getattr(args, "layer_types", None) or ())
     if isinstance(layers, int):
         last = types_avail[-1] if types_avail else "full_attention"
@@ -128,6 +116,11 @@ def new_assistant(
             last = owning[-1]
         layers = [last] * layers
     layers = tuple(layers)
+    if centroids and not 1 <= top_k_centroids <= centroids:
+        raise ValueError(
+            f"new_assistant: top_k_centroids must be in 1..centroids ({centroids}), got "
+            f"{top_k_centroids}"
+        )
     # head sizes from the donors
     from .target import _attn
 
@@ -155,10 +148,9 @@ def new_assistant(
         rms_norm_eps=float(getattr(args, "rms_norm_eps", 1e-6)),
         use_ordered_embeddings=bool(centroids),
         num_centroids=int(centroids or 2048),
-        centroid_intermediate_top_k=int(min(top_k_centroids, centroids) if centroids else 32),
+        centroid_intermediate_top_k=int(top_k_centroids if centroids else 32),
         block_size=block_size,
     )
-    del probe
     binding = bind_target(model, cfg)  # the pair is checked before any weight is made
     mx.random.seed(seed)
     module = Gemma4Assistant(cfg)
@@ -249,17 +241,18 @@ class AssistantTrainer:
             "nxt_top1": rec.top1[1 : n + 1],
         }
         for t in self.types:
-            keys, values = rec.kv[self.binding.donors[t].layer]
+            keys, values = rec.kv[self.binding.donors[t].layer]  # in the model's dtype
             out[f"k_{t}"] = keys[:n]
             out[f"v_{t}"] = values[:n]
         return out
 
     def _states(self, module: Gemma4Assistant, batch: Mapping[str, mx.array]) -> tuple:
         L = batch["emb"].shape[1]
+        dt = batch["emb"].dtype
         kv = {
             t: (
-                batch[f"k_{t}"].transpose(0, 2, 1, 3),
-                batch[f"v_{t}"].transpose(0, 2, 1, 3),
+                batch[f"k_{t}"].transpose(0, 2, 1, 3).astype(dt),
+                batch[f"v_{t}"].transpose(0, 2, 1, 3).astype(dt),
             )
             for t in self.types
         }
@@ -270,9 +263,7 @@ class AssistantTrainer:
         return module.hidden(batch["emb"], batch["hid"], kv, ropes, offset, scales, masks)
 
     def forward(self, module: Gemma4Assistant, batch: Mapping[str, mx.array]) -> mx.array:
-        normed, nxt = self._states(module, batch)
-        self._next = nxt  # read by extra_loss in the same call
-        return normed
+        return self._states(module, batch)[0]
 
     def logits(self, module: Gemma4Assistant, o: mx.array, ids: mx.array | None = None) -> mx.array:
         w = module.model.embed_tokens.weight
@@ -280,12 +271,19 @@ class AssistantTrainer:
         cap = module.config.final_logit_softcapping
         return mx.tanh(z / cap) * cap if cap else z
 
+    def eval_logits(self, module: Gemma4Assistant, o: mx.array) -> mx.array:
+        """The logits the drafter drafts from (the masked embedder's where it has one):
+        what held-out agreement is measured with."""
+        B, L, H = o.shape
+        return module.logits(o.reshape(B * L, H)).reshape(B, L, -1)
+
     def extra_loss(
         self, module: Gemma4Assistant, batch: Mapping[str, mx.array], o: mx.array
     ) -> mx.array:
         target = batch["nxt"]
-        d = self._next - target
-        loss = self.next_weight * (d * d).mean(axis=-1) / ((target * target).mean(axis=-1) + 1e-6)
+        d = module.post_projection(o) - target  # the next step's h, as the drafter makes it
+        scale = mx.maximum((target * target).mean(axis=-1), 1e-2)  # padded rows are zero
+        loss = self.next_weight * (d * d).mean(axis=-1) / scale * batch["valid"]
         if self.cluster_of is not None and self.centroid_weight:
             scores = module.masked_embedding.centroids(o)
             want = self.cluster_of[batch["nxt_top1"]]

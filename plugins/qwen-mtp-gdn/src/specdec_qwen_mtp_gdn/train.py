@@ -19,7 +19,26 @@ from specdec.training import LOSSES, Recorded, batch_answers, target_hidden
 
 from .mtp import QwenMTP, text_model
 
-__all__ = ["LOSSES", "MTPTrainer", "batch_answers", "target_hidden", "train_mtp_head"]
+__all__ = [
+    "LOSSES",
+    "MTPTrainer",
+    "OutputLayer",
+    "States",
+    "agreement",
+    "batch_answers",
+    "target_hidden",
+    "train_mtp_head",
+]
+
+#: The names this module had before the loop moved to the core (0.3.3): kept.
+States = Recorded
+OutputLayer = specdec.training.TargetOutput
+
+
+def agreement(model: Any, head: QwenMTP, sequences: Sequence[Sequence[int]]) -> float:
+    """The fraction of positions of ``sequences`` where ``head``'s argmax is the target's
+    (the acceptance of a first greedy draft there)."""
+    return specdec.training.agreement(model, MTPTrainer(head, model), sequences)
 
 
 class MTPTrainer:
