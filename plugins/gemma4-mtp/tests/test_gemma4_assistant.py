@@ -156,6 +156,12 @@ def test_a_draft_step_matches_an_independent_numpy_reference(centroids):
     np.testing.assert_allclose(got[~np.isinf(got)], ref[~np.isinf(ref)], atol=5e-4, rtol=5e-4)
     if centroids:
         assert np.isinf(got).sum() == 64 - 3 * 8  # only the 3 best clusters' 8 tokens each
+        # many rows at once (a training run's evaluation) take the whole head and a mask:
+        # the same candidates, the same logits
+        many = np.asarray(module.logits(mx.concatenate([n[0]] * 6)))
+        for row in many:
+            assert np.array_equal(np.isinf(row), np.isinf(got[0]))
+            np.testing.assert_allclose(row[~np.isinf(row)], got[0][~np.isinf(got[0])], atol=1e-5)
 
 
 def test_the_training_forward_is_the_drafting_step_position_by_position():

@@ -316,6 +316,16 @@ class MaskedEmbedder(nn.Module):
 
     def __call__(self, n: mx.array, embed: nn.Embedding, softcap: float | None = None) -> mx.array:
         ids = self.candidates(n)  # [rows, c]
+        if n.shape[0] > 4:
+            # Many rows at once (evaluating a training run): the whole head and a mask
+            # cost less than gathering top_k * per_cluster embedding rows per row.
+            full = embed.as_linear(n).astype(mx.float32)
+            if softcap:
+                full = mx.tanh(full / softcap) * softcap
+            keep = mx.put_along_axis(
+                mx.zeros(full.shape, dtype=mx.bool_), ids, mx.array(True), axis=-1
+            )
+            return mx.where(keep, full, -mx.inf)
         rows = embed(ids)  # [rows, c, H] (a quantized embedding dequantizes its rows)
         sel = (rows @ n[:, :, None])[..., 0].astype(mx.float32)
         if softcap:
