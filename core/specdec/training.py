@@ -350,8 +350,10 @@ def train_head(
 
     Returns:
         ``{"steps", "first_loss", "last_loss", "top1", "held_out_top1", "loss",
-        "train_seconds", "stopped_by_time"}`` (``steps``: the last step done; ``top1``:
-        the agreement on the training text).
+        "train_seconds", "prepare_seconds", "stopped_by_time"}`` (``steps``: the last step
+        done; ``top1``: the agreement on the training text; ``train_seconds``: the steps
+        and the evaluations during them; ``prepare_seconds``: recording the target's
+        states where they were not given).
 
     Raises:
         ValueError: no sequence of at least 3 tokens, ``steps <= start_step``, or a bad
@@ -386,6 +388,7 @@ def train_head(
         )
     if states is not None and len(states) != len(sequences):
         raise ValueError(f"{name}: {len(states)} states for {len(sequences)} sequences")
+    t_prepare = time.perf_counter()
     data = [
         _Example(model, trainer, s, candidates, None if states is None else states[i])
         for i, s in enumerate(sequences)
@@ -400,6 +403,7 @@ def train_head(
         for i, s in enumerate(held_out)
         if len(s) >= 3
     ]
+    prepare_seconds = time.perf_counter() - t_prepare
     mx.random.seed(seed)
     head = trainer.module
     head.train()
@@ -495,6 +499,7 @@ def train_head(
         if time_limit is not None and time.perf_counter() - t0 >= time_limit and step < steps:
             stopped_by_time = True
             break
+    train_seconds = time.perf_counter() - t0
     head.eval()
     if held and (held_top1 is None or stopped_by_time or done % max(1, eval_every)):
         held_top1 = agreement(model, trainer, held)
@@ -505,7 +510,8 @@ def train_head(
         "loss": loss,
         "top1": agreement(model, trainer, data),
         "held_out_top1": held_top1,
-        "train_seconds": round(time.perf_counter() - t0, 1),
+        "train_seconds": round(train_seconds, 1),
+        "prepare_seconds": round(prepare_seconds, 1),
         "stopped_by_time": stopped_by_time,
     }
 
