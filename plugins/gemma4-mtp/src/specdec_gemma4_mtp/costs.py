@@ -78,14 +78,27 @@ E2B_ASSISTANT = {
 }
 
 
-def random_e2b(dtype: Any = mx.bfloat16, seed: int = 0) -> tuple[Any, Gemma4Assistant]:
-    """A random-weight Gemma 4 E2B text model and a random E2B-shaped assistant."""
+def random_e2b(
+    dtype: Any = mx.float32, seed: int = 0, per_layer_vocab: int = 4096
+) -> tuple[Any, Gemma4Assistant]:
+    """A random-weight Gemma 4 E2B text model and a random E2B-shaped assistant.
+
+    ``per_layer_vocab``: rows of the per-layer-input table (E2B's has 262,144 rows of
+    35 x 256: 9.4 GB in float32); a lookup, whose size changes no timing. Float32 by
+    default: MLX's bfloat16 matmuls on a CPU do not use the BLAS and are many times
+    slower.
+    """
     from mlx.utils import tree_map
     from mlx_lm.models import gemma4_text
 
     mx.random.seed(seed)
-    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(E2B_TARGET))
-    model.update(tree_map(lambda p: (p * 0.02).astype(dtype), model.parameters()))
+    cfg = dict(E2B_TARGET, vocab_size_per_layer_input=per_layer_vocab)
+    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(cfg))
+    for layer in model.model.layers:  # layer by layer: bounded peak memory
+        layer.update(tree_map(lambda p: p.astype(dtype), layer.parameters()))
+        mx.eval(layer.parameters())
+    rest = {k: v for k, v in model.model.parameters().items() if k != "layers"}
+    model.model.update(tree_map(lambda p: p.astype(dtype), rest))
     mx.eval(model.parameters())
     model.eval()
     asst = Gemma4Assistant(AssistantConfig.from_dict(E2B_ASSISTANT))
@@ -127,7 +140,10 @@ def measure_step_costs(
     import random
 
     rng = random.Random(seed)
-    prompt = [rng.randrange(vocab) for _ in range(context)]
+    # ids the per-layer-input table has rows for (random_e2b cuts it; ids cost the same)
+    per_layer = getattr(getattr(model, "args", None), "vocab_size_per_layer_input", None)
+    top = min(vocab, per_layer or vocab)
+    prompt = [rng.randrange(top) for _ in range(context)]
     caches = make_prompt_cache(model)
     taps = specdec.model_taps(model)
     with taps.recording() as rec:
@@ -199,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--random-weights",
         choices=("e2b",),
         default=None,
-        help="random weights at the Gemma 4 E2B shapes (target and assistant, bfloat16)",
+        help="random weights at the Gemma 4 E2B shapes (target and assistant, float32)",
     )
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--block", type=int, default=3)
