@@ -27,7 +27,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import specdec
-from specdec.training import Recorded
 
 from .assistant import AssistantConfig, Gemma4Assistant
 from .target import TargetBinding, bind_target, text_model
@@ -232,7 +231,7 @@ class AssistantTrainer:
             c[order] = np.arange(cfg.vocab_size) // per
             self.cluster_of = mx.array(c)
 
-    def example(self, model: Any, seq: Sequence[int], rec: Recorded) -> dict:
+    def example(self, model: Any, seq: Sequence[int], rec: specdec.training.Recorded) -> dict:
         n = len(seq) - 2
         toks = mx.array(list(seq[1:-1]))
         out = {

@@ -10,15 +10,15 @@ import json
 from typing import Any
 
 import specdec
-from specdec.training import (  # noqa: F401  (re-exported: the names train-head had)
-    DATA_FILE,
-    STATE_FILE,
-    SUMMARY_FILE,
-    shipped_prompts,
-)
 
 #: Bad ``train-head`` input (the message names it and what would be accepted).
 TrainHeadError = specdec.training.TrainError
+
+# The names train-head had before its command line moved to the core (0.3.3): kept.
+DATA_FILE = specdec.training.DATA_FILE
+STATE_FILE = specdec.training.STATE_FILE
+SUMMARY_FILE = specdec.training.SUMMARY_FILE
+shipped_prompts = specdec.training.shipped_prompts
 
 
 def add_train_head_parser(sub: Any) -> None:

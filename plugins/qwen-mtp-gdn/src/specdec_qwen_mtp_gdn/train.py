@@ -15,7 +15,6 @@ from typing import Any
 
 import mlx.core as mx
 import specdec
-from specdec.training import LOSSES, Recorded, batch_answers, target_hidden
 
 from .mtp import QwenMTP, text_model
 
@@ -31,6 +30,10 @@ __all__ = [
 ]
 
 #: The names this module had before the loop moved to the core (0.3.3): kept.
+LOSSES = specdec.training.LOSSES
+Recorded = specdec.training.Recorded
+batch_answers = specdec.training.batch_answers
+target_hidden = specdec.training.target_hidden
 States = Recorded
 OutputLayer = specdec.training.TargetOutput
 
