@@ -9,8 +9,9 @@ flat. So it is measured, not assumed:
 
 - :func:`profile_verify_cost` times verify forwards of several widths at several
   context lengths (random tokens, the request caches rolled back after each
-  forward, the runs interleaved and their median kept) and returns a
-  :class:`VerifyCostCurve`.
+  forward, the runs interleaved and the fastest of each kept: other work on a
+  shared machine only ever adds time, and a curve is cached for good) and
+  returns a :class:`VerifyCostCurve`.
 - :class:`CostModel` is a pipeline's curve: loaded from the on-disk cache
   (``$SPECDEC_CACHE_DIR`` or ``~/.cache/specdec``, ``verify-cost/<key>.json``,
   keyed by the model's shapes, the verifier, the device and the MLX version) or
@@ -34,7 +35,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -67,7 +67,8 @@ DEFAULT_WIDTHS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
 DEFAULT_CONTEXTS: tuple[int, ...] = (128, 1024)
 #: The longest context a refresh profiles.
 MAX_PROFILE_CONTEXT = 8192
-_FORMAT = 1
+#: 2: cells are the fastest of their timed forwards (1: the median of two).
+_FORMAT = 2
 
 
 @attrs.frozen
@@ -239,7 +240,7 @@ def profile_verify_cost(
     verifier: Any = None,
     widths: Sequence[int] = DEFAULT_WIDTHS,
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    repeats: int = 2,
+    repeats: int = 4,
     host: Any = None,
     progress: Callable[[int, int, str], None] | None = None,
     seed: int = 0,
@@ -249,9 +250,11 @@ def profile_verify_cost(
     For each context length, a fresh cache is filled with that many random tokens;
     then every width is fed ``repeats`` times (plus one untimed warm-up),
     interleaved, rolling the cache back after each forward through the core's
-    rollback plan, so every forward sees the same context. The median of each
-    cell is kept, and each row is made non-decreasing in the width (a wider
-    forward never costs less).
+    rollback plan, so every forward sees the same context. The fastest forward
+    of each cell is kept: other work on the machine only ever adds time, and a
+    curve profiled while another job ran would stay in the cache with the costs
+    that job inflated (the median of two, kept before format 2, did). Each row is
+    made non-decreasing in the width (a wider forward never costs less).
 
     Args:
         model: the target mlx-lm model.
@@ -321,7 +324,7 @@ def profile_verify_cost(
                     progress(done, total, f"context {ctx_len}, width {w}")
         row: list[float] = []
         for w in widths:
-            v = statistics.median(times[w])
+            v = min(times[w])
             row.append(max(v, row[-1]) if row else v)
         rows.append(tuple(row))
         del caches
@@ -364,7 +367,7 @@ class CostModel:
         host: Any = None,
         widths: Sequence[int] = DEFAULT_WIDTHS,
         contexts: Sequence[int] = DEFAULT_CONTEXTS,
-        repeats: int = 2,
+        repeats: int = 4,
         curve: VerifyCostCurve | None = None,
         directory: str | os.PathLike | None = None,
         persist: bool = True,
