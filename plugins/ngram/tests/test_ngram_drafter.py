@@ -24,6 +24,7 @@ def test_defaults_documented_and_applied():
     assert d.ladder == ((2, 4), (4, 8), (8, 16))
     assert (d.max_edits, d.realign) == (1, True)
     assert (d.sizing, d.continuation, d.min_share, d.decay) == ("cost", "frequent", 0.0, 0.95)
+    assert d.vote_floor == 32
     assert d.uses_verify_cost
     assert not create_ngram_copy(sizing="ladder").uses_verify_cost
     assert (d.store, d.store_max_tokens) == (None, 200_000)
@@ -33,6 +34,7 @@ def test_defaults_documented_and_applied():
         "sizing",
         "continuation",
         "min_share",
+        "vote_floor",
         "decay",
         "source",
         "min_n",
@@ -65,6 +67,8 @@ def test_unknown_option_names_the_accepted_ones():
         ({"sizing": "fixed"}, "sizing"),
         ({"continuation": "oldest"}, "continuation"),
         ({"min_share": 1.5}, "min_share"),
+        ({"vote_floor": 0}, "vote_floor"),
+        ({"vote_floor": 2.5}, "vote_floor"),
         ({"decay": 0.0}, "decay"),
         ({"ladder": [[2, 4], [2, 8]]}, "increasing"),
         ({"ladder": [[2, 0]]}, "block"),
@@ -320,6 +324,18 @@ def test_verified_outcomes_shape_the_estimates():
     assert s.stats()["declined"] > 0
 
 
+def test_a_long_match_is_never_priced_below_a_shorter_one():
+    history = list(range(100, 160)) * 2  # the end matches 60 tokens back: bucket >= 32
+    s = create_ngram_copy().session(cost_ctx(history, flat_curve(per_token=0.05)))
+    for _ in range(10):  # 4-to-7-token matches were copied whole all along
+        s._learn(1, 16, 16)
+    s._learn(4, 16, 1)  # the one long match so far broke at its second token
+    own = s.estimates[4].probs(16)
+    assert own[1] < 0.5  # on its own, the long bucket would price position 2 low
+    d = s.propose(history, 16)
+    assert d is not None and len(d.tokens) == 16, s.stats()["estimates"]
+
+
 def test_shadow_is_not_counted_as_a_proposal():
     s = create_ngram_copy().session(cost_ctx(PERIOD * 3, flat_curve(per_token=0.001)))
     d = s.shadow(PERIOD * 3, 16)
@@ -337,6 +353,17 @@ def test_frequent_continuation_beats_the_most_recent():
     recent = started(prompt, min_n=3, max_n=3, ladder=[[3, 1]], max_edits=0, continuation="recent")
     assert freq.propose(prompt, 1).tokens == (7,)
     assert recent.propose(prompt, 1).tokens == (9,)
+
+
+def test_the_occurrence_matching_far_back_is_not_outvoted():
+    # "1 2 3" was followed by 9 twice (short contexts) and by 7 once, where the
+    # 9 tokens before it match the end of the history as well: that is the place
+    # being copied, and vote_floor keeps the short matches out of the vote.
+    long_ctx = [10, 11, 12, 13, 14, 15, 16, 17, 18, 1, 2, 3]
+    prompt = long_ctx + [7, 50, 30, 1, 2, 3, 9, 51, 31, 1, 2, 3, 9, 52] + long_ctx
+    opts = dict(min_n=3, max_n=3, ladder=[[3, 1]], max_edits=0)
+    assert started(prompt, **opts).propose(prompt, 1).tokens == (7,)
+    assert started(prompt, vote_floor=3, **opts).propose(prompt, 1).tokens == (9,)
 
 
 def test_min_share_shortens_the_block_at_a_branch():

@@ -83,6 +83,7 @@ DEFAULTS: Mapping[str, Any] = {
     "sizing": "cost",
     "continuation": "frequent",
     "min_share": 0.0,
+    "vote_floor": 32,
     "decay": 0.95,
     "store": False,
     "store_max_tokens": 200_000,
@@ -143,6 +144,11 @@ class NgramCopyDrafter(BaseDrafter):
         min_share: with ``"frequent"``, end the block before a token that fewer than
             this share of the voting occurrences agree on (0: never; the cost
             sizing already weighs each token by its share).
+        vote_floor: with ``"frequent"``, the occurrences that vote are those whose
+            backwards match is at least ``min(best, vote_floor)`` tokens long
+            (``best``: the longest match's length), so one occurrence that matches
+            far back (the place the answer is copying) is not outvoted by several
+            that share only the last few tokens.
         decay: how much older outcomes keep of their weight in the acceptance
             estimates at each new one (1: no decay).
         store: a cross-request store of earlier requests' outputs, looked up when
@@ -177,6 +183,7 @@ class NgramCopyDrafter(BaseDrafter):
         sizing: str = DEFAULTS["sizing"],
         continuation: str = DEFAULTS["continuation"],
         min_share: float = DEFAULTS["min_share"],
+        vote_floor: int = DEFAULTS["vote_floor"],
         decay: float = DEFAULTS["decay"],
         store: bool | str | os.PathLike = DEFAULTS["store"],
         store_max_tokens: int = DEFAULTS["store_max_tokens"],
@@ -185,7 +192,12 @@ class NgramCopyDrafter(BaseDrafter):
             raise specdec.PolicyError(
                 f"{NAME}: option source must be one of {list(SOURCES)}, got {source!r}"
             )
-        for label, value in (("min_n", min_n), ("max_n", max_n), ("max_block", max_block)):
+        for label, value in (
+            ("min_n", min_n),
+            ("max_n", max_n),
+            ("max_block", max_block),
+            ("vote_floor", vote_floor),
+        ):
             if not _is_int(value) or value < 1:
                 raise specdec.PolicyError(
                     f"{NAME}: option {label} must be an integer >= 1, got {value!r}"
@@ -240,6 +252,7 @@ class NgramCopyDrafter(BaseDrafter):
         self.sizing = sizing
         self.continuation = continuation
         self.min_share = float(min_share)
+        self.vote_floor = vote_floor
         self.decay = float(decay)
         self.source = source
         self.min_n = min_n
@@ -496,7 +509,9 @@ class NgramCopySession(BaseDrafterSession):
         if found is not None:
             tokens, shares = d.store.continuation(found, count), None
         elif d.continuation == "frequent":
-            tokens, shares = self.index.ranked_continuation(match, count, min_share=d.min_share)
+            tokens, shares = self.index.ranked_continuation(
+                match, count, min_share=d.min_share, floor=d.vote_floor
+            )
         else:
             tokens, shares = self.index.continuation(match, count), None
         if not tokens:
@@ -504,9 +519,7 @@ class NgramCopySession(BaseDrafterSession):
         bucket = STORE_BUCKET if found is not None else self._bucket_of(match)
         if self.sizing == "ladder":
             return match, tokens, bucket, len(tokens)
-        est = self.estimates[bucket]
-        est.prior = self.overall.pooled()
-        accept = est.probs(len(tokens))
+        accept = self._accept_probs(bucket, len(tokens))
         if shares is not None:
             accept = [a * sh for a, sh in zip(accept, shares)]
         cost = self.cost
@@ -516,6 +529,26 @@ class NgramCopySession(BaseDrafterSession):
 
         choice = best_block(accept, verify, max_size=len(tokens))
         return match, tokens, bucket, choice.size
+
+    def _accept_probs(self, bucket: int, n: int) -> list[float]:
+        """The acceptance estimates of positions ``1 .. n`` for a match in ``bucket``.
+
+        A match-length bucket is never priced below a shorter one: a match that reaches
+        further back is at least as likely to go on as one that does not, and a bucket
+        with few outcomes of its own (long matches are rarer) would otherwise take a
+        single rejection as its rate for the positions after it (a 40-token match
+        was sized at 2 tokens on ``code-edit`` after one 16-token block of that
+        bucket failed at its second token)."""
+        prior = self.overall.pooled()
+        est = self.estimates[bucket]
+        est.prior = prior
+        accept = est.probs(n)
+        if bucket < len(MATCH_BUCKETS):
+            for shorter in self.estimates[:bucket]:
+                if shorter.outcomes:  # an empty bucket is only its prior: no evidence
+                    shorter.prior = prior
+                    accept = [max(a, b) for a, b in zip(accept, shorter.probs(n))]
+        return accept
 
     @staticmethod
     def _bucket_of(match: NgramMatch) -> int:
