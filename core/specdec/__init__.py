@@ -93,7 +93,7 @@ from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.7"
+__version__ = "0.2.8"
 
 __all__ = [
     "CAPABILITIES",

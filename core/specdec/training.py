@@ -1174,3 +1174,98 @@ def run_training(args: Any, command: TrainCommand) -> int:
     )
     print(command.usage(out))
     return 0
+
+
+def held_out_acceptance(
+    folder: str | Any,
+    policy: Any,
+    drafter: str,
+    *,
+    model: Any = None,
+    max_tokens: int = 128,
+) -> dict:
+    """Per-position acceptance of a trained head on the prompts its training held out.
+
+    The prompts are the ``held_out_prompt_ids`` of ``folder``'s ``train_data.json``
+    (written by :func:`run_training` since core 0.2.7). Each one is generated greedily
+    with ``policy`` (whose drafter ``drafter`` reports ``position_reached`` and
+    ``position_accepted`` in its stats, as ``qwen_mtp`` and ``gemma4_mtp`` do; pass a
+    fixed depth, ``adaptive = false``, to measure every position) and with plain
+    decoding, and the outputs are compared.
+
+    Args:
+        folder: the trained head's folder.
+        policy: the policy (a :class:`specdec.Policy`, a preset name, a TOML path or a
+            dict) that drafts with the head.
+        drafter: the name of the drafter whose per-position stats are summed.
+        model: the target (a loaded mlx-lm model, a path, ``None``: the default model).
+        max_tokens: tokens generated per prompt.
+
+    Returns:
+        ``{"prompts", "position_reached", "position_accepted", "position_acceptance",
+        "conditional_acceptance", "tokens_per_forward", "identical"}``:
+        ``position_reached[i]``: rounds that drafted position ``i + 1``;
+        ``position_accepted[i]``: of those, how many accepted it (every earlier draft was
+        accepted too); ``position_acceptance``: their ratio; ``conditional_acceptance[i]``:
+        of the rounds that accepted position ``i`` (all rounds for the first), the share
+        that accepted position ``i + 1`` too; ``identical``: every output equals plain
+        decoding's.
+
+    Raises:
+        TrainError: ``train_data.json`` is missing or does not list its held-out prompts,
+            or ``drafter`` reports no per-position stats.
+    """
+    import json
+    from pathlib import Path
+
+    from .pipeline import assemble
+
+    path = Path(folder) / DATA_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"cannot read {path}: {exc}") from exc
+    prompts = data.get("held_out_prompt_ids") if isinstance(data, dict) else None
+    if not prompts:
+        raise TrainError(
+            f"{path} does not list its held-out prompts (held_out_prompt_ids: written by "
+            "the training commands since specdec-core 0.2.7; train again, or pass --data "
+            "with a newer run's data)"
+        )
+    pipe = assemble(model, policy=policy)
+    plain = assemble(pipe.model, tokenizer=pipe.tokenizer, policy="none")
+    reached: list[int] = []
+    accepted: list[int] = []
+    forwards = tokens = 0
+    identical = True
+    for p in prompts:
+        out = pipe.generate(p, max_tokens=max_tokens)
+        ref = plain.generate(p, max_tokens=max_tokens)
+        identical &= out.tokens == ref.tokens
+        st = out.stats.per_drafter.get(drafter) or {}
+        if "position_reached" not in st:
+            raise TrainError(
+                f"the drafter {drafter!r} reports no position_reached/position_accepted "
+                f"stats (per_drafter has {sorted(out.stats.per_drafter)})"
+            )
+        for i, (r, a) in enumerate(zip(st["position_reached"], st["position_accepted"])):
+            if i == len(reached):
+                reached.append(0)
+                accepted.append(0)
+            reached[i] += r
+            accepted[i] += a
+        forwards += out.stats.target_forwards
+        tokens += out.stats.generation_tokens
+    return {
+        "prompts": len(prompts),
+        "position_reached": reached,
+        "position_accepted": accepted,
+        "position_acceptance": [round(a / r, 4) if r else None for a, r in zip(accepted, reached)],
+        "conditional_acceptance": [
+            round(a / r, 4) if r else None for a, r in zip(accepted, [reached[0], *accepted[:-1]])
+        ]
+        if reached
+        else [],
+        "tokens_per_forward": round(tokens / forwards, 3) if forwards else None,
+        "identical": identical,
+    }

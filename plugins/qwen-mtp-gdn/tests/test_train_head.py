@@ -98,6 +98,17 @@ def test_train_head_on_the_default_model_resume_and_draft_with_it(capsys, tmp_pa
     st = res.stats.per_drafter["qwen_mtp"]
     assert st["mtp_rounds"] > 0 and st["mtp"]["path"] == str(out)
     assert st["mtp"]["trained_by_specdec"]
+    # Per-position acceptance on the held-out prompt, at a fixed depth of 2.
+    fixed = pol.with_options("qwen_mtp", depth=2, max_depth=2, adaptive=False)
+    held = specdec.training.held_out_acceptance(out, fixed, "qwen_mtp", max_tokens=8)
+    assert held["prompts"] == 1 and held["identical"]
+    assert len(held["position_reached"]) == 2 and held["position_reached"][0] > 0
+    assert all(a <= r for a, r in zip(held["position_accepted"], held["position_reached"]))
+    with pytest.raises(specdec.training.TrainError, match="held-out prompts"):
+        (out / specdec.training.DATA_FILE).write_text(json.dumps({"train": [[1, 2]]}))
+        specdec.training.held_out_acceptance(out, fixed, "qwen_mtp")
+    with pytest.raises(specdec.training.TrainError, match="cannot read"):
+        specdec.training.held_out_acceptance(tmp_path / "nowhere", fixed, "qwen_mtp")
     # The head knows whose it is.
     with pytest.raises(MTPLoadError, match="trained for another model"):
         load_mtp(make_tiny_model("llama"), out)

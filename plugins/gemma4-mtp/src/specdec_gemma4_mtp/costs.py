@@ -245,70 +245,16 @@ def measure_held_out(
 ) -> dict:
     """Per-position acceptance of an assistant ``specdec train-assistant`` wrote, drafting
     greedily on the prompts its training held out (``train_data.json``), at a fixed depth
-    (``options``: further ``gemma4_mtp`` options, e.g. ``centroids="off"``).
-
-    ``position_reached[i]``: rounds that drafted position ``i + 1``;
-    ``position_accepted[i]``: of those, how many accepted it (every earlier draft was
-    accepted too); ``position_acceptance`` their ratio; ``conditional_acceptance[i]``:
-    the share of the rounds that accepted position ``i`` (all of them for the first)
-    that accepted position ``i + 1`` too.
-
-    Returns:
-        ``{"prompts", "position_reached", "position_accepted", "position_acceptance",
-        "conditional_acceptance", "tokens_per_forward", "identical"}``.
+    (``options``: further ``gemma4_mtp`` options, e.g. ``centroids="off"``): the core's
+    :func:`specdec.training.held_out_acceptance` with the ``gemma4`` preset.
 
     Raises:
         specdec.training.TrainError: ``train_data.json`` does not say which prompts
-            were held out (written before core 0.2.7 and not by the default recipe).
+            were held out (written before core 0.2.7).
     """
-    from pathlib import Path
-
-    folder = Path(assistant)
-    data = json.loads((folder / specdec.training.DATA_FILE).read_text())
-    n_held = int(data.get("held_out_prompts") or len(data.get("held_out_prompt_ids") or []))
     pol = specdec.load_policy("gemma4").with_options(
-        "gemma4_mtp", assistant=str(folder), depth=depth, adaptive=False, **options
+        "gemma4_mtp", assistant=str(assistant), depth=depth, adaptive=False, **options
     )
-    pipe = specdec.assemble(model, policy=pol)
-    plain = specdec.assemble(pipe.model, tokenizer=pipe.tokenizer, policy="none")
-    prompts = data.get("held_out_prompt_ids")
-    if prompts is None:
-        summary = folder / specdec.training.SUMMARY_FILE
-        if "prompts" not in data or not summary.is_file():
-            raise specdec.training.TrainError(
-                f"{folder / specdec.training.DATA_FILE} does not list its held-out prompts"
-            )
-        # Written before core 0.2.7: the default recipe's held-out tail (said on stderr).
-        import sys
-
-        print(
-            "held-out: the data has no held_out_prompt_ids; taking the shipped prompts' "
-            "held-out tail (the default recipe: seed 0, no --prompts or --text)",
-            file=sys.stderr,
-        )
-        prompts = specdec.training.prompt_ids(pipe, max_sequences=data["prompts"])[-n_held:]
-    reached = [0] * depth
-    accepted = [0] * depth
-    forwards = tokens = 0
-    identical = True
-    for p in prompts:
-        out = pipe.generate(p, max_tokens=max_tokens)
-        ref = plain.generate(p, max_tokens=max_tokens)
-        identical &= out.tokens == ref.tokens
-        st = out.stats.per_drafter["gemma4_mtp"]
-        for i, (r, a) in enumerate(zip(st["position_reached"], st["position_accepted"])):
-            reached[i] += r
-            accepted[i] += a
-        forwards += out.stats.target_forwards
-        tokens += out.stats.generation_tokens
-    return {
-        "prompts": len(prompts),
-        "conditional_acceptance": [
-            round(a / r, 4) if r else None for a, r in zip(accepted, [reached[0], *accepted[:-1]])
-        ],
-        "position_reached": reached,
-        "position_accepted": accepted,
-        "position_acceptance": [round(a / r, 4) if r else None for a, r in zip(accepted, reached)],
-        "tokens_per_forward": round(tokens / forwards, 3) if forwards else None,
-        "identical": identical,
-    }
+    return specdec.training.held_out_acceptance(
+        assistant, pol, "gemma4_mtp", model=model, max_tokens=max_tokens
+    )
