@@ -57,3 +57,16 @@ def test_min_depth_is_a_floor_and_max_depth_a_ceiling():
     assert d.depth == 3
     with pytest.raises(ValueError, match="min_depth <= depth <= max_depth"):
         AdaptiveDepth(2, 4, min_depth=3)
+
+
+def test_outcomes_are_counted_per_position():
+    d = AdaptiveDepth(3, 4, adaptive=False)
+    assert d.stats()["position_reached"] == []
+    d.observe(3, 3)  # all three accepted
+    d.observe(3, 1)  # the first only
+    d.observe(2, 0)  # a shorter block (max_len), none accepted
+    st = d.stats()
+    assert st["position_reached"] == [3, 3, 2]
+    assert st["position_accepted"] == [2, 1, 1]
+    assert st["position_acceptance"] == [round(2 / 3, 4), round(1 / 3, 4), 0.5]
+    assert (st["depth"], st["depth_grew"], st["depth_shrank"]) == (3, 0, 0)

@@ -24,6 +24,8 @@ class AdaptiveDepth:
       ``shrink_below`` reached it at all.
 
     The window is cleared after each change, so the new depth is judged on its own.
+    Every outcome is also counted per position, for the drafter's stats
+    (:meth:`stats`).
 
     Args:
         depth: the depth to start from.
@@ -64,9 +66,18 @@ class AdaptiveDepth:
         self.window = window
         self.recent: deque = deque(maxlen=window)
         self.grew = self.shrank = 0
+        #: per position (1-based index + 1): rounds that drafted it, and of those the
+        #: rounds that accepted it (and so every draft before it).
+        self.reached = [0] * max_depth
+        self.accepted = [0] * max_depth
 
     def observe(self, proposed: int, accepted: int) -> int:
-        """Learn a round's outcome; returns the depth for the next round."""
+        """Learn a round's outcome (``accepted`` of ``proposed`` drafts); returns the
+        depth for the next round."""
+        for i in range(min(proposed, len(self.reached))):
+            self.reached[i] += 1
+            if i < accepted:
+                self.accepted[i] += 1
         self.recent.append((proposed, accepted))
         if not self.adaptive:
             return self.depth
@@ -94,3 +105,20 @@ class AdaptiveDepth:
                 self.shrank += 1
                 self.recent.clear()
         return self.depth
+
+    def stats(self) -> dict:
+        """The depth now, how often it grew and shrank, and per-position acceptance:
+        ``position_reached[i]`` rounds drafted position ``i + 1``, ``position_accepted[i]``
+        of them accepted it, ``position_acceptance[i]`` is their ratio (positions never
+        drafted are left out)."""
+        n = sum(1 for r in self.reached if r)
+        return {
+            "depth": self.depth,
+            "depth_grew": self.grew,
+            "depth_shrank": self.shrank,
+            "position_reached": self.reached[:n],
+            "position_accepted": self.accepted[:n],
+            "position_acceptance": [
+                round(a / r, 4) for a, r in zip(self.accepted[:n], self.reached[:n])
+            ],
+        }

@@ -250,8 +250,6 @@ class Gemma4MTPSession(BaseDrafterSession):
         self.h: mx.array | None = None  # [1, H_target]: the target's hidden at h_pos
         self.h_pos = -1
         self.last: tuple[int, int] | None = None
-        self.reached = [0] * ceiling
-        self.accepted = [0] * ceiling
         self.no_state = 0
 
     def prefill(self, chunk: PrefillChunk) -> None:
@@ -309,10 +307,6 @@ class Gemma4MTPSession(BaseDrafterSession):
             self.h = None
 
     def _score(self, k: int, a: int) -> None:
-        for i in range(min(k, len(self.reached))):
-            self.reached[i] += 1
-            if i < a:
-                self.accepted[i] += 1
         self.depth = self.adapt.observe(k, a)
 
     def end(self) -> None:
@@ -322,14 +316,8 @@ class Gemma4MTPSession(BaseDrafterSession):
 
     def stats(self) -> dict:
         """Depth and its changes, per-position acceptance, what was loaded."""
-        per_pos = [round(a / r, 4) if r else None for a, r in zip(self.accepted, self.reached) if r]
         return {
-            "depth": self.depth,
-            "depth_grew": self.adapt.grew,
-            "depth_shrank": self.adapt.shrank,
-            "position_reached": [r for r in self.reached if r],
-            "position_accepted": self.accepted[: len(per_pos)],
-            "position_acceptance": per_pos,
+            **self.adapt.stats(),
             "rounds_without_state": self.no_state,
             "assistant": dict(self.d.info),
         }

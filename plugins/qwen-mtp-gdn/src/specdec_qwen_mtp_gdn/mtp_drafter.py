@@ -210,8 +210,6 @@ class QwenMTPSession(BaseDrafterSession):
         self.rounds = 0
         self.proposed = 0
         self.accepted_total = 0
-        self.reached = [0] * drafter.max_depth
-        self.accepted = [0] * drafter.max_depth
         self.gaps = 0
         self.broken = False
 
@@ -308,10 +306,6 @@ class QwenMTPSession(BaseDrafterSession):
 
     def _score(self, k: int, a: int) -> None:
         self.accepted_total += a
-        for i in range(min(k, len(self.reached))):
-            self.reached[i] += 1
-            if i < a:
-                self.accepted[i] += 1
         self.depth = self.adapt.observe(k, a)
 
     def end(self) -> None:
@@ -323,17 +317,11 @@ class QwenMTPSession(BaseDrafterSession):
 
     def stats(self) -> dict:
         """Rounds, depth now and its changes, per-position acceptance, what was loaded."""
-        per_pos = [round(a / r, 4) if r else None for a, r in zip(self.accepted, self.reached) if r]
         return {
             "mtp_rounds": self.rounds,
             "mtp_proposed": self.proposed,
             "mtp_accepted": self.accepted_total,
-            "depth": self.depth,
-            "depth_grew": self.adapt.grew,
-            "depth_shrank": self.adapt.shrank,
-            "position_reached": [r for r in self.reached if r],
-            "position_accepted": self.accepted[: len(per_pos)],
-            "position_acceptance": per_pos,
+            **self.adapt.stats(),
             "hidden_gaps": self.gaps,
             "mtp": dict(self.d.info),
         }
