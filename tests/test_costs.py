@@ -89,6 +89,37 @@ def test_cost_model_profiles_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert m3.source == "refreshed" and m3.stats()["contexts"] == [8, 24, 100]
     # Another width set is another cache entry.
     assert CostModel(model, **{**opts, "widths": (1, 3)}).path != m1.path
+    # A curve cached in format 1 (medians of two forwards) is profiled again.
+    old = json.loads(m3.path.read_text())
+    m3.path.write_text(json.dumps({**old, "format": 1}))
+    monkeypatch.setattr(CostModel, "_memory", {})
+    m4 = CostModel(model, **opts)
+    m4.curve()
+    assert m4.source == "profiled" and len(calls) == 3
+    assert json.loads(m4.path.read_text())["format"] == 2
+
+
+def test_a_profile_cell_is_the_fastest_of_its_forwards(monkeypatch):
+    # A clock that makes every second forward of a cell slow (another job running):
+    # the cell keeps the fast ones.
+    ticks = iter(range(10**6))
+    slow = {"n": 0}
+
+    def clock():
+        return next(ticks) * 1.0
+
+    real_verify = specdec.verifiers.LogitsVerifier.verify
+
+    def verify(self, model, tokens, caches, *a, **k):
+        slow["n"] += 1
+        if slow["n"] % 2 == 0:
+            next(ticks)  # this forward "takes" 1 s longer
+        return real_verify(self, model, tokens, caches, *a, **k)
+
+    monkeypatch.setattr(specdec.verifiers.LogitsVerifier, "verify", verify)
+    monkeypatch.setattr(specdec.costs.time, "perf_counter", clock)
+    c = specdec.profile_verify_cost(make_tiny_model("llama"), widths=(1, 2), contexts=(8,))
+    assert c.seconds == ((1.0, 1.0),)
 
 
 def test_cost_model_with_a_given_curve_never_profiles(tmp_path, monkeypatch):

@@ -66,8 +66,8 @@ class AdaptiveDepth:
         self.window = window
         self.recent: deque = deque(maxlen=window)
         self.grew = self.shrank = 0
-        #: per position (1-based index + 1): rounds that drafted it, and of those the
-        #: rounds that accepted it (and so every draft before it).
+        #: index i is draft position i + 1: the rounds that drafted it, and of those
+        #: the rounds that accepted it (and so every draft before it).
         self.reached = [0] * max_depth
         self.accepted = [0] * max_depth
 

@@ -1226,11 +1226,13 @@ def held_out_acceptance(
     except (OSError, ValueError) as exc:
         raise TrainError(f"cannot read {path}: {exc}") from exc
     prompts = data.get("held_out_prompt_ids") if isinstance(data, dict) else None
+    if prompts is not None and not prompts:
+        raise TrainError(f"{path} holds no prompt out (its held_out_prompt_ids is empty)")
     if not prompts:
         raise TrainError(
-            f"{path} does not list its held-out prompts (held_out_prompt_ids: written by "
-            "the training commands since specdec-core 0.2.7; train again, or pass --data "
-            "with a newer run's data)"
+            f"{path} does not list its held-out prompts (held_out_prompt_ids, written by "
+            "specdec train-head and train-assistant since specdec-core 0.2.7): run the "
+            "training command again (--data FILE reuses a newer run's train_data.json)"
         )
     pipe = assemble(model, policy=policy)
     plain = assemble(pipe.model, tokenizer=pipe.tokenizer, policy="none")

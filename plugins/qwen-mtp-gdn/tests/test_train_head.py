@@ -11,6 +11,7 @@ import pytest
 import specdec
 from specdec.cli import main
 from specdec.testing import check_greedy_identity, make_tiny_model, plain_greedy
+from specdec_qwen_mtp_gdn.__main__ import held_out as held_out_main
 from specdec_qwen_mtp_gdn.checkpoint import save_hf_checkpoint
 from specdec_qwen_mtp_gdn.cli import STATE_FILE, SUMMARY_FILE
 from specdec_qwen_mtp_gdn.mtp import MTPLoadError, load_mtp
@@ -103,7 +104,17 @@ def test_train_head_on_the_default_model_resume_and_draft_with_it(capsys, tmp_pa
     held = specdec.training.held_out_acceptance(out, fixed, "qwen_mtp", max_tokens=8)
     assert held["prompts"] == 1 and held["identical"]
     assert len(held["position_reached"]) == 2 and held["position_reached"][0] > 0
-    assert all(a <= r for a, r in zip(held["position_accepted"], held["position_reached"]))
+    assert held["position_accepted"][0] == round(
+        held["position_acceptance"][0] * held["position_reached"][0]
+    )
+    assert held["conditional_acceptance"][0] == held["position_acceptance"][0]
+    assert len(held["conditional_acceptance"]) == 2 and held["tokens_per_forward"] >= 1.0
+    # The command line: the same figures as JSON, bad input as one error line.
+    code = held_out_main([str(out), "--depth", "2", "--max-tokens", "8"])
+    assert code == 0 and json.loads(capsys.readouterr().out) == held
+    with pytest.raises(SystemExit) as exc:
+        held_out_main([str(tmp_path / "nowhere")])
+    assert exc.value.code == 2 and "cannot read" in capsys.readouterr().err
     with pytest.raises(specdec.training.TrainError, match="held-out prompts"):
         (out / specdec.training.DATA_FILE).write_text(json.dumps({"train": [[1, 2]]}))
         specdec.training.held_out_acceptance(out, fixed, "qwen_mtp")

@@ -24,7 +24,10 @@ if __name__ == "__main__":
         from .costs import measure_held_out
 
         model = argv[3] if len(argv) == 4 else None
-        print(json.dumps(measure_held_out(argv[1], model=model), indent=1))
+        try:
+            print(json.dumps(measure_held_out(argv[1], model=model), indent=1))
+        except specdec.SpecdecError as exc:
+            sys.exit(f"python -m specdec_gemma4_mtp held-out: error: {exc}")
         sys.exit(0)
     sys.exit(
         "usage: python -m specdec_gemma4_mtp costs [--model M --assistant A | --random-weights "

@@ -538,17 +538,33 @@ class NgramCopySession(BaseDrafterSession):
         with few outcomes of its own (long matches are rarer) would otherwise take a
         single rejection as its rate for the positions after it (a 40-token match
         was sized at 2 tokens on ``code-edit`` after one 16-token block of that
-        bucket failed at its second token)."""
+        bucket failed at its second token). What is compared is the chance that the
+        first ``i`` tokens are all accepted (the product of the estimates up to
+        ``i``): the highest of the bucket's own and of the shorter buckets' with
+        outcomes, turned back into per-position rates, so a block is never priced
+        above what one bucket's evidence supports."""
         prior = self.overall.pooled()
         est = self.estimates[bucket]
         est.prior = prior
         accept = est.probs(n)
-        if bucket < len(MATCH_BUCKETS):
-            for shorter in self.estimates[:bucket]:
-                if shorter.outcomes:  # an empty bucket is only its prior: no evidence
-                    shorter.prior = prior
-                    accept = [max(a, b) for a, b in zip(accept, shorter.probs(n))]
-        return accept
+        if bucket >= len(MATCH_BUCKETS):
+            return accept
+        curves = [accept]
+        for shorter in self.estimates[:bucket]:
+            if shorter.outcomes:  # an empty bucket is only its prior: no evidence
+                shorter.prior = prior
+                curves.append(shorter.probs(n))
+        if len(curves) == 1:
+            return accept
+        out: list[float] = []
+        survive = [1.0] * len(curves)
+        before = 1.0
+        for i in range(n):
+            survive = [s * c[i] for s, c in zip(survive, curves)]
+            best = max(survive)
+            out.append(best / before if before > 0 else 0.0)
+            before = best
+        return out
 
     @staticmethod
     def _bucket_of(match: NgramMatch) -> int:

@@ -1,7 +1,8 @@
 """``python -m specdec_qwen_mtp_gdn [--arch ...]``: commit cost per strategy on a tiny hybrid
 model (JSON lines); ``python -m specdec_qwen_mtp_gdn held-out FOLDER [--model M] [--depth K]
-[--head H]``: a head ``specdec train-head`` wrote, its per-position acceptance on the prompts
-its training held out (:func:`specdec.training.held_out_acceptance`, at a fixed depth)."""
+[--head H] [--max-tokens N]``: a head ``specdec train-head`` wrote, its per-position
+acceptance on the prompts its training held out (:func:`specdec.training.held_out_acceptance`,
+at a fixed depth)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,17 @@ def held_out(argv: list[str]) -> int:
     ap.add_argument("--head", default="exact", help="the qwen_mtp head option (default: exact)")
     ap.add_argument("--max-tokens", type=int, default=128)
     a = ap.parse_args(argv)
+    if a.depth < 1 or a.max_tokens < 1:
+        ap.error(f"--depth and --max-tokens must be >= 1, got {a.depth} and {a.max_tokens}")
     pol = specdec.load_policy("mtp").with_options(
         "qwen_mtp", mtp_path=a.folder, depth=a.depth, max_depth=a.depth, adaptive=False, head=a.head
     )
-    res = specdec.training.held_out_acceptance(
-        a.folder, pol, "qwen_mtp", model=a.model, max_tokens=a.max_tokens
-    )
+    try:
+        res = specdec.training.held_out_acceptance(
+            a.folder, pol, "qwen_mtp", model=a.model, max_tokens=a.max_tokens
+        )
+    except specdec.SpecdecError as exc:
+        ap.error(str(exc))
     print(json.dumps(res, indent=1))
     return 0
 
