@@ -184,6 +184,60 @@ def test_acceptance_estimate_counts_reached_and_accepted_positions():
         specdec.AcceptanceEstimate(4, decay=0.0)
 
 
+def test_round_overhead_learns_what_a_drafted_round_costs_beyond_its_forward():
+    o = specdec.RoundOverhead(prior_s=0.5, prior_rounds=1.0, decay=1.0, alpha=0.5)
+    assert o.extra_s == 0.5 and o.baseline_s == 0.0  # the prior before any round
+    o.observe("pipelined", 0.2, step_s=10.0)
+    o.observe("pipelined", 0.2, step_s=10.0)
+    assert o.baseline_s == pytest.approx(0.15)  # an average from 0, not the first sample
+    # One drafted round (excess 3) and the two plain steps after it that were not
+    # pipelined (excess 1 each): all of it is the drafted round's cost, less the baseline.
+    o.observe("drafted", 3.0, step_s=10.0)
+    o.observe("after_draft", 1.0, step_s=10.0)
+    o.observe("after_draft", 1.0, step_s=10.0)
+    assert o.extra_s == pytest.approx(((3 + 1 + 1 - 3 * 0.15) + 0.5) / 2)
+    assert o.to_dict()["rounds"] == {"pipelined": 2, "drafted": 1, "after_draft": 2}
+    assert o.to_dict()["extra_ms"] == pytest.approx(1e3 * o.extra_s, abs=1e-3)
+    # A pause of the process counts as one step at most (half a step below).
+    c = specdec.RoundOverhead(prior_rounds=1e-9, decay=1.0)
+    c.observe("drafted", 50.0, step_s=2.0)
+    assert c.extra_s == pytest.approx(2.0)
+    c.observe("pipelined", -50.0, step_s=2.0)
+    assert c.baseline_s == pytest.approx(0.05 * -1.0)
+    # Decay: the newer rounds weigh more.
+    d = specdec.RoundOverhead(prior_rounds=1e-9, decay=0.5)
+    d.observe("drafted", 1.0, step_s=10.0)
+    d.observe("drafted", 3.0, step_s=10.0)
+    assert d.extra_s == pytest.approx((0.5 * 1 + 3) / 1.5)
+    with pytest.raises(ValueError, match="round kind"):
+        o.observe("lookahead", 1.0, step_s=1.0)
+    with pytest.raises(ValueError):
+        specdec.RoundOverhead(decay=0.0)
+
+
+def test_a_drafted_rounds_overhead_can_make_a_weak_block_not_pay():
+    # A one-token block accepted a quarter of the time, verified for 12% more than a
+    # step: it pays on the curve alone, not once a drafted round costs 0.3 steps more.
+    def cost(w):
+        return 1.0 if w == 1 else 1.12
+
+    assert specdec.best_block([0.26], cost).size == 1
+    assert specdec.best_block([0.26], cost, draft_cost=lambda k: 0.3).size == 0
+    # ... while a long block that lands keeps paying.
+    assert specdec.best_block([0.9] * 8, cost, draft_cost=lambda k: 0.3).size == 8
+    # The baseline every round pays (overhead_s) counts on both sides.
+    cm = CostModel(None, curve=curve([(1.0, 1.12, 1.2, 1.3), (1.0, 1.12, 1.2, 1.3)]))
+    cm.overhead = specdec.RoundOverhead(decay=1.0)
+    for _ in range(200):
+        cm.observe_round("pipelined", 1, 100, 1.1)  # excess 0.1
+    for _ in range(20):
+        cm.observe_round("drafted", 2, 100, 1.12 + 0.1 + 0.3)  # 0.3 beyond that
+    assert cm.round_overhead_s == pytest.approx(0.1, abs=1e-3)
+    assert cm.draft_overhead_s == pytest.approx(0.3 * 20 / 21, abs=1e-3)
+    assert cm.stats()["round_overhead"]["rounds"]["drafted"] == 20
+    CostModel(None, curve=None, persist=False).observe_round("drafted", 2, 1, 9.0)  # no curve
+
+
 # -- shadow scoring ----------------------------------------------------------------
 
 
@@ -295,6 +349,12 @@ def test_pipeline_shadows_refused_drafters_and_hands_out_the_cost_model(monkeypa
     assert sum(st.block_sizes.values()) == st.target_forwards
     assert st.block_sizes.get(0, 0) == st.rounds_without_draft > 0
     assert st.accepted > 0
+    # Every round but the first told the cost model its wall time and kind: the
+    # refused rounds here follow a drafted one (not pipelined), none was queued ahead.
+    seen = st.verify_cost["round_overhead"]["rounds"]
+    assert seen["drafted"] >= st.rounds_with_draft - 1 > 0 and seen["pipelined"] == 0
+    assert sum(seen.values()) == st.target_forwards - 1
+    assert pipe.cost_model.overhead.rounds == seen
 
 
 def test_no_cost_model_without_a_drafter_that_reads_it():

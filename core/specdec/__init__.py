@@ -35,6 +35,7 @@ from .costs import (
     AcceptanceEstimate,
     BlockChoice,
     CostModel,
+    RoundOverhead,
     VerifyCostCurve,
     best_block,
     profile_verify_cost,
@@ -93,7 +94,7 @@ from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.8"
+__version__ = "0.2.9"
 
 __all__ = [
     "CAPABILITIES",
@@ -174,4 +175,5 @@ __all__ = [
     "rollback_plan",
     "set_model_source",
     "validate_request",
+    "RoundOverhead",
 ]

@@ -20,10 +20,16 @@ flat. So it is measured, not assumed:
   linearly past the longest), and when requests run past twice the longest
   profiled context, the next request first profiles that longer context too
   (:meth:`CostModel.refresh`).
+- :class:`RoundOverhead` is what a drafted round costs beyond its verify forward,
+  measured on the pipeline's own rounds: plain steps are pipelined (the next
+  forward is queued before the current token is read back, so the host's work
+  overlaps the forward); a round that drafts is not, and neither are the few plain
+  steps after it. The curve times forwards alone, so without this a block of one
+  token accepted a quarter of the time looks like it pays, and does not.
 - :func:`best_block` picks the block size that maximises expected committed
-  tokens per second from per-position acceptance probabilities and the curve;
-  :class:`AcceptanceEstimate` keeps those probabilities from real and shadow
-  outcomes.
+  tokens per second from per-position acceptance probabilities, the curve and the
+  round overhead; :class:`AcceptanceEstimate` keeps those probabilities from real
+  and shadow outcomes.
 
 ``specdec doctor --model M`` prints the curve of a model.
 """
@@ -54,6 +60,7 @@ __all__ = [
     "AcceptanceEstimate",
     "BlockChoice",
     "CostModel",
+    "RoundOverhead",
     "VerifyCostCurve",
     "best_block",
     "cache_dir",
@@ -338,6 +345,101 @@ def profile_verify_cost(
     )
 
 
+class RoundOverhead:
+    """What a drafted round costs beyond its verify forward, learnt from the decode loop.
+
+    The pipeline reports each round it finishes with its *excess*: its wall time
+    (from the end of the round before to the end of this one) minus the curve's cost
+    of its forward. Rounds are of three kinds:
+
+    - ``"pipelined"``: a plain step queued before the round before it was read back
+      (the host's work overlaps the forward). Its excess is the baseline
+      (:attr:`baseline_s`), what any round costs beyond the curve: an exponential
+      average (``alpha``) that starts at 0, so a few rounds move it only a little.
+    - ``"drafted"``: a round that verified a block. Drafting, acceptance, the commit
+      and building the next forward no longer overlap a forward.
+    - ``"after_draft"``: a plain step that was not pipelined because a drafted
+      round came shortly before it (the loop queues plain steps ahead again only
+      once drafting has paused for a few rounds). Its cost is the drafted rounds'
+      doing, so its excess counts towards theirs.
+
+    :attr:`extra_s` is the excess of the drafted and after-draft rounds over the
+    baseline, per drafted round: decayed sums (``decay`` per drafted round, so it
+    follows the machine's load), starting from ``prior_s`` with ``prior_rounds``
+    pseudo-rounds. Each excess is clipped to ``clip`` one-token steps above (half
+    that below), so a pause of the process (garbage collection, another job) does
+    not swing it.
+    """
+
+    KINDS = ("pipelined", "drafted", "after_draft")
+
+    def __init__(
+        self,
+        *,
+        prior_s: float = 0.0,
+        prior_rounds: float = 1.0,
+        decay: float = 0.97,
+        alpha: float = 0.05,
+        clip: float = 1.0,
+    ) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if prior_rounds <= 0.0 or clip <= 0.0:
+            raise ValueError("prior_rounds and clip must be > 0")
+        self.prior_s = prior_s
+        self.prior_rounds = prior_rounds
+        self.decay = decay
+        self.alpha = alpha
+        self.clip = clip
+        #: the pipelined plain steps' excess (an exponential average from 0).
+        self.baseline_s = 0.0
+        self._excess = 0.0  # decayed sum over drafted and after-draft rounds, less the baseline
+        self._drafted = 0.0  # decayed count of drafted rounds
+        #: rounds observed, by kind.
+        self.rounds = dict.fromkeys(self.KINDS, 0)
+
+    def observe(self, kind: str, excess_s: float, step_s: float) -> None:
+        """Learn one round.
+
+        Args:
+            kind: ``"pipelined"``, ``"drafted"`` or ``"after_draft"`` (see the class).
+            excess_s: the round's wall time minus the curve's cost of its forward.
+            step_s: the curve's cost of a one-token step at the round's context (the
+                clip's unit).
+
+        Raises:
+            ValueError: an unknown ``kind``.
+        """
+        if kind not in self.rounds:
+            raise ValueError(f"round kind must be one of {self.KINDS}, got {kind!r}")
+        lim = self.clip * max(step_s, 0.0)
+        x = min(max(float(excess_s), -0.5 * lim), lim)
+        self.rounds[kind] += 1
+        if kind == "pipelined":
+            self.baseline_s += self.alpha * (x - self.baseline_s)
+            return
+        if kind == "drafted":
+            self._excess *= self.decay
+            self._drafted = self._drafted * self.decay + 1.0
+        self._excess += x - self.baseline_s
+
+    @property
+    def extra_s(self) -> float:
+        """Seconds a drafted round costs beyond its forward and a pipelined step's excess."""
+        w = self.prior_rounds
+        return (self._excess + self.prior_s * w) / (self._drafted + w)
+
+    def to_dict(self) -> dict:
+        """The estimate and the baseline in milliseconds, and the rounds seen by kind."""
+        return {
+            "extra_ms": round(1e3 * self.extra_s, 3),
+            "baseline_ms": round(1e3 * self.baseline_s, 3),
+            "rounds": dict(self.rounds),
+        }
+
+
 class CostModel:
     """A pipeline's verify cost curve: from the disk cache, else profiled once.
 
@@ -393,6 +495,9 @@ class CostModel:
         self.longest_context = 0
         self.key = model_fingerprint(model, verifier) if curve is None else curve.key
         self._fingerprint = f"{self.key}-{'-'.join(map(str, self.widths))}"
+        #: what a drafted round costs beyond its forward, learnt from this pipeline's
+        #: rounds (:meth:`observe_round`); kept in memory only (it follows the load).
+        self.overhead = RoundOverhead()
 
     @property
     def path(self) -> Path:
@@ -428,6 +533,27 @@ class CostModel:
         """Seconds for a verify forward of ``width`` tokens at ``context`` (see the curve)."""
         return self.curve().cost(width, context)
 
+    def observe_round(self, kind: str, width: int, context: int, seconds: float) -> None:
+        """A finished round of ``kind`` (see :class:`RoundOverhead`) fed ``width``
+        tokens after ``context`` and took ``seconds`` of wall time (nothing is learnt
+        before the curve is at hand)."""
+        curve = self._curve
+        if curve is None:
+            return
+        self.overhead.observe(kind, seconds - curve.cost(width, context), curve.cost(1, context))
+
+    @property
+    def round_overhead_s(self) -> float:
+        """Seconds any round costs beyond its verify forward (:attr:`RoundOverhead.baseline_s`,
+        learnt from pipelined plain steps): :func:`best_block`'s ``overhead_s``."""
+        return self.overhead.baseline_s
+
+    @property
+    def draft_overhead_s(self) -> float:
+        """Seconds a drafted round costs beyond that (:attr:`RoundOverhead.extra_s`): what
+        :func:`best_block`'s ``draft_cost`` adds to a block of any size."""
+        return self.overhead.extra_s
+
     def note_context(self, context: int) -> None:
         """Record a context length reached by a request (see :meth:`refresh`)."""
         if context > self.longest_context:
@@ -456,10 +582,11 @@ class CostModel:
         return True
 
     def stats(self) -> dict:
-        """Where the curve came from, its contexts, widths, profiling time, cache path and
-        why profiling failed (``None``)."""
+        """Where the curve came from, its contexts, widths, profiling time, cache path,
+        why profiling failed (``None``) and the round overhead learnt so far."""
         c = self._curve
         return {
+            "round_overhead": self.overhead.to_dict(),
             "source": self.source,
             "path": str(self.path) if self.persist and self.source != "given" else None,
             "contexts": list(c.contexts) if c else [],

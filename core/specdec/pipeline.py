@@ -940,6 +940,11 @@ class Pipeline:
         t_start = time.perf_counter()
         queued: _Round | None = None
         idle = 0  # rounds in a row that drafted nothing
+        # The cost model learns what a drafted round costs beyond its forward from the
+        # rounds' wall times (finish to finish); see specdec.costs.RoundOverhead.
+        timed = None if plain else row.cost
+        t_prev: float | None = None
+        drafted_before = False
         while True:
             if queued is None:
                 rnd = self._start_round(row, plan, None)
@@ -965,6 +970,12 @@ class Pipeline:
             ended = True
             try:
                 result = self._finish_round(row, rnd)
+                if timed is not None:
+                    t_now = time.perf_counter()
+                    if t_prev is not None:
+                        self._time_round(timed, rnd, t_now - t_prev, drafted_before)
+                    t_prev = t_now
+                    drafted_before = drafted_before or rnd.chosen is not None
                 if queued is not None and queued.fed_token is not None:
                     if int(queued.fed_token.item()) != result.token:
                         # The acceptor drew another token than the lazy sample: undo it.
@@ -987,6 +998,18 @@ class Pipeline:
                     self._undo_lookahead(row, queued)
             if ended:
                 return
+
+    @staticmethod
+    def _time_round(cost: CostModel, rnd: _Round, seconds: float, drafted_before: bool) -> None:
+        """Tell the cost model a round's wall time and kind: drafted, a plain step queued
+        ahead (pipelined), or a plain step after a drafted one that was not; the plain
+        steps that open a request (nothing drafted yet, not queued ahead) teach nothing."""
+        if rnd.chosen is not None:
+            cost.observe_round("drafted", rnd.n_fed, rnd.position, seconds)
+        elif rnd.fed_token is not None:
+            cost.observe_round("pipelined", 1, rnd.position, seconds)
+        elif drafted_before:
+            cost.observe_round("after_draft", 1, rnd.position, seconds)
 
     @staticmethod
     def _observe(row: _Row, result: RoundResult) -> None:
@@ -1403,6 +1426,8 @@ class Pipeline:
             )
         if row.governor is not None:
             stats.governor = dict(row.governor.stats())
+        if row.cost is not None:
+            stats.verify_cost = row.cost.stats()  # with the round overhead learnt
         shown: dict[str, Any] = {}  # key -> head object
         for drafter, head in self.heads.items():
             extra = getattr(head, "stats", None)

@@ -286,6 +286,20 @@ def test_cheap_verify_drafts_the_whole_continuation():
     assert s.stats()["block_sizes"] == {16: 1} and s.stats()["sizing_used"] == "cost"
 
 
+def test_what_a_drafted_round_costs_beyond_its_forward_counts_in_the_size():
+    # Verify is cheap on this curve, so a first block pays; once the pipeline measured
+    # that a drafted round costs most of a step more than a plain one (the pipelining
+    # it gives up), an unproven match of the same kind does not.
+    ctx = cost_ctx(PERIOD * 2, flat_curve(per_token=0.1))
+    assert create_ngram_copy().session(ctx).propose(PERIOD * 2, 16) is not None
+    for _ in range(30):
+        ctx.cost.observe_round("drafted", 17, len(PERIOD) * 2, 2.6 + 0.95)
+    assert ctx.cost.draft_overhead_s > 0.9
+    s = create_ngram_copy().session(ctx)
+    assert s.propose(PERIOD * 2, 16) is None
+    assert s.stats()["declined"] == 1
+
+
 def test_dear_verify_declines_and_shadow_outcomes_make_it_draft_again():
     # Every extra token costs as much as a step: only near-certain tokens pay.
     s = create_ngram_copy().session(cost_ctx(PERIOD * 2, flat_curve(per_token=0.6)))

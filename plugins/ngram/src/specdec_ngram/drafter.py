@@ -14,7 +14,10 @@ How long a block is (``sizing``):
   estimates (:class:`specdec.AcceptanceEstimate`, one per match-length bucket,
   learnt from verified rounds and from shadow outcomes) times the voting share
   of each proposed token, and the measured cost of verifying ``k`` tokens at the
-  current context length (``ctx.cost``, the pipeline's :class:`specdec.CostModel`).
+  current context length (``ctx.cost``, the pipeline's :class:`specdec.CostModel`),
+  plus what a drafted round costs beyond its forward (the pipelining that plain
+  steps have and a drafted round gives up, measured on the pipeline's own rounds:
+  :class:`specdec.RoundOverhead`).
   Where no size pays it proposes nothing, and scores what it would have proposed
   against what the target commits (:class:`specdec.ShadowScore`), so it learns
   when copying pays again without a forward.
@@ -527,7 +530,15 @@ class NgramCopySession(BaseDrafterSession):
         def verify(width: int) -> float:
             return cost.cost(width, context)
 
-        choice = best_block(accept, verify, max_size=len(tokens))
+        extra = cost.draft_overhead_s  # what drafting costs beyond the forward
+
+        choice = best_block(
+            accept,
+            verify,
+            max_size=len(tokens),
+            overhead_s=cost.round_overhead_s,
+            draft_cost=lambda k: extra,
+        )
         return match, tokens, bucket, choice.size
 
     def _accept_probs(self, bucket: int, n: int) -> list[float]:
