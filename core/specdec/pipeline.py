@@ -146,6 +146,9 @@ class _Row:
     #: the incremental detokenizer and the cost model in use (set by ``_open``).
     detok: Any = None
     cost: Any = None
+    #: seconds the stream spent suspended at its yields (its consumer's time, or other
+    #: streams'), left out of the round times the cost model learns from.
+    away_s: float = 0.0
     #: the request's state in the ranks' synchronisation (a sharded model only).
     sync: Any = None
     #: prefill forwards (a sharded model's prefill collectives).
@@ -943,7 +946,7 @@ class Pipeline:
         # The cost model learns what a drafted round costs beyond its forward from the
         # rounds' wall times (finish to finish); see specdec.costs.RoundOverhead.
         timed = None if plain else row.cost
-        t_prev: float | None = None
+        t_prev, away_prev = t_start, row.away_s
         drafted_before = False
         while True:
             if queued is None:
@@ -972,9 +975,9 @@ class Pipeline:
                 result = self._finish_round(row, rnd)
                 if timed is not None:
                     t_now = time.perf_counter()
-                    if t_prev is not None:
-                        self._time_round(timed, rnd, t_now - t_prev, drafted_before)
-                    t_prev = t_now
+                    busy = t_now - t_prev - (row.away_s - away_prev)
+                    self._time_round(timed, rnd, busy, drafted_before)
+                    t_prev, away_prev = t_now, row.away_s
                     drafted_before = drafted_before or rnd.chosen is not None
                 if queued is not None and queued.fed_token is not None:
                     if int(queued.fed_token.item()) != result.token:
@@ -1003,7 +1006,10 @@ class Pipeline:
     def _time_round(cost: CostModel, rnd: _Round, seconds: float, drafted_before: bool) -> None:
         """Tell the cost model a round's wall time and kind: drafted, a plain step queued
         ahead (pipelined), or a plain step after a drafted one that was not; the plain
-        steps that open a request (nothing drafted yet, not queued ahead) teach nothing."""
+        steps that open a request (nothing drafted yet, not queued ahead) teach nothing.
+        A round's time runs from the end of the round before (the first one's from the
+        end of the prefill), less the time the stream spent suspended at its yields
+        (its consumer's work, or other streams advanced in between)."""
         if rnd.chosen is not None:
             cost.observe_round("drafted", rnd.n_fed, rnd.position, seconds)
         elif rnd.fed_token is not None:
@@ -1397,9 +1403,11 @@ class Pipeline:
                 yield from self._finish(row, seg, tok, i < n_acc, reason, t_start, pos + i)
                 return True
             row.text += seg
+            t_away = time.perf_counter()
             yield StreamResponse(
                 text=seg, token=tok, from_draft=i < n_acc, position=pos + i, stats=stats
             )
+            row.away_s += time.perf_counter() - t_away  # the consumer's time, not ours
 
         return False
 

@@ -24,7 +24,7 @@ def test_defaults_documented_and_applied():
     assert d.ladder == ((2, 4), (4, 8), (8, 16))
     assert (d.max_edits, d.realign) == (1, True)
     assert (d.sizing, d.continuation, d.min_share, d.decay) == ("cost", "frequent", 0.0, 0.95)
-    assert d.vote_floor == 32
+    assert d.vote_floor == 32 and d.round_overhead is True
     assert d.uses_verify_cost
     assert not create_ngram_copy(sizing="ladder").uses_verify_cost
     assert (d.store, d.store_max_tokens) == (None, 200_000)
@@ -35,6 +35,7 @@ def test_defaults_documented_and_applied():
         "continuation",
         "min_share",
         "vote_floor",
+        "round_overhead",
         "decay",
         "source",
         "min_n",
@@ -298,6 +299,10 @@ def test_what_a_drafted_round_costs_beyond_its_forward_counts_in_the_size():
     s = create_ngram_copy().session(ctx)
     assert s.propose(PERIOD * 2, 16) is None
     assert s.stats()["declined"] == 1
+    # round_overhead = false prices the block by the curve alone, as before.
+    assert create_ngram_copy(round_overhead=False).session(ctx).propose(PERIOD * 2, 16)
+    with pytest.raises(specdec.PolicyError, match="round_overhead must be true or false"):
+        create_ngram_copy(round_overhead="yes")
 
 
 def test_dear_verify_declines_and_shadow_outcomes_make_it_draft_again():

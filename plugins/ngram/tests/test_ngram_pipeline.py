@@ -244,13 +244,25 @@ def test_sampled_seeded_runs_match_plain():
 
 # -- every sizing and continuation option stays exact ------------------------------------------
 
+# The cost-sized variants price blocks by the verify curve alone (round_overhead =
+# false): on these tiny models a forward costs about as much as the loop's host work,
+# so once the pipeline measured what a drafted round costs beyond its forward, few
+# blocks pay and whether any is accepted would depend on the machine's timing. The
+# defaults (round_overhead = true) run as the "defaults" variant.
 VARIANTS = [
-    {"sizing": "cost", "continuation": "frequent"},
-    {"sizing": "cost", "continuation": "recent"},
+    {"sizing": "cost", "continuation": "frequent", "round_overhead": False},
+    {"sizing": "cost", "continuation": "recent", "round_overhead": False},
     {"sizing": "ladder", "continuation": "frequent"},
-    {"sizing": "cost", "continuation": "frequent", "min_share": 0.6, "decay": 1.0},
+    {
+        "sizing": "cost",
+        "continuation": "frequent",
+        "min_share": 0.6,
+        "decay": 1.0,
+        "round_overhead": False,
+    },
+    {},
 ]
-VARIANT_IDS = ["cost-frequent", "cost-recent", "ladder-frequent", "min-share"]
+VARIANT_IDS = ["cost-frequent", "cost-recent", "ladder-frequent", "min-share", "defaults"]
 
 
 @pytest.mark.parametrize("options", VARIANTS, ids=VARIANT_IDS)
@@ -260,8 +272,12 @@ def test_greedy_identity_for_every_option(arch_model, options, governed):
     base = COPY if governed else NGRAM
     pol = base.with_options("ngram_copy", **options)
     prompt = copy_heavy(arch, vocab)
-    totals = check_greedy_identity(model, pol, prompt, max_tokens_list=(1, 5, 16, 32))
-    assert totals["drafted"] > 0 and totals["accepted"] > 0
+    totals = check_greedy_identity(
+        model, pol, prompt, max_tokens_list=(1, 5, 16, 32), require_drafts=bool(options)
+    )
+    assert totals["drafted"] > 0  # the first rounds draft before any overhead is measured
+    if options:
+        assert totals["accepted"] > 0
 
 
 @pytest.mark.parametrize("options", VARIANTS[:2], ids=VARIANT_IDS[:2])

@@ -87,6 +87,7 @@ DEFAULTS: Mapping[str, Any] = {
     "continuation": "frequent",
     "min_share": 0.0,
     "vote_floor": 32,
+    "round_overhead": True,
     "decay": 0.95,
     "store": False,
     "store_max_tokens": 200_000,
@@ -152,6 +153,11 @@ class NgramCopyDrafter(BaseDrafter):
             (``best``: the longest match's length), so one occurrence that matches
             far back (the place the answer is copying) is not outvoted by several
             that share only the last few tokens.
+        round_overhead: with ``"cost"``, count what a drafted round costs beyond its
+            verify forward, as the pipeline measured it (``ctx.cost.draft_overhead_s``
+            and ``round_overhead_s``); ``False`` prices a block by the verify cost
+            curve alone (as 0.3.3 did), where drafting pays more often: for a model
+            whose forward is as cheap as the loop's host work (a tiny test model).
         decay: how much older outcomes keep of their weight in the acceptance
             estimates at each new one (1: no decay).
         store: a cross-request store of earlier requests' outputs, looked up when
@@ -187,6 +193,7 @@ class NgramCopyDrafter(BaseDrafter):
         continuation: str = DEFAULTS["continuation"],
         min_share: float = DEFAULTS["min_share"],
         vote_floor: int = DEFAULTS["vote_floor"],
+        round_overhead: bool = DEFAULTS["round_overhead"],
         decay: float = DEFAULTS["decay"],
         store: bool | str | os.PathLike = DEFAULTS["store"],
         store_max_tokens: int = DEFAULTS["store_max_tokens"],
@@ -211,10 +218,11 @@ class NgramCopyDrafter(BaseDrafter):
             raise specdec.PolicyError(
                 f"{NAME}: option max_edits must be 0, 1 or 2, got {max_edits!r}"
             )
-        if not isinstance(realign, bool):
-            raise specdec.PolicyError(
-                f"{NAME}: option realign must be true or false, got {realign!r}"
-            )
+        for label, value in (("realign", realign), ("round_overhead", round_overhead)):
+            if not isinstance(value, bool):
+                raise specdec.PolicyError(
+                    f"{NAME}: option {label} must be true or false, got {value!r}"
+                )
         if sizing not in SIZINGS:
             raise specdec.PolicyError(
                 f"{NAME}: option sizing must be one of {list(SIZINGS)}, got {sizing!r}"
@@ -256,6 +264,7 @@ class NgramCopyDrafter(BaseDrafter):
         self.continuation = continuation
         self.min_share = float(min_share)
         self.vote_floor = vote_floor
+        self.round_overhead = round_overhead
         self.decay = float(decay)
         self.source = source
         self.min_n = min_n
@@ -530,14 +539,12 @@ class NgramCopySession(BaseDrafterSession):
         def verify(width: int) -> float:
             return cost.cost(width, context)
 
-        extra = cost.draft_overhead_s  # what drafting costs beyond the forward
-
+        if d.round_overhead:  # what a round, and drafting, cost beyond the forward
+            base, extra = cost.round_overhead_s, cost.draft_overhead_s
+        else:
+            base = extra = 0.0
         choice = best_block(
-            accept,
-            verify,
-            max_size=len(tokens),
-            overhead_s=cost.round_overhead_s,
-            draft_cost=lambda k: extra,
+            accept, verify, max_size=len(tokens), overhead_s=base, draft_cost=lambda k: extra
         )
         return match, tokens, bucket, choice.size
 
