@@ -349,36 +349,40 @@ class RoundOverhead:
     """What a drafted round costs beyond its verify forward, learnt from the decode loop.
 
     The pipeline reports each round it finishes with its *excess*: its wall time
-    (from the end of the round before to the end of this one) minus the curve's cost
-    of its forward. Rounds are of three kinds:
+    (from the end of the round before to the end of this one, less the time the
+    stream sat suspended at its yields) minus the curve's cost of its forward.
+    Rounds are of three kinds:
 
-    - ``"pipelined"``: a plain step queued before the round before it was read back
-      (the host's work overlaps the forward). Its excess is the baseline
+    - ``"plain"``: a plain step as it runs without drafting: queued before the round
+      before it was read back (pipelined, the host's work overlapping the forward)
+      where the loop can do that, else not. Its excess is the baseline
       (:attr:`baseline_s`), what any round costs beyond the curve: an exponential
       average (``alpha``) that starts at 0, so a few rounds move it only a little.
-    - ``"drafted"``: a round that verified a block. Drafting, acceptance, the commit
-      and building the next forward no longer overlap a forward.
-    - ``"after_draft"``: a plain step that was not pipelined because a drafted
-      round came shortly before it (the loop queues plain steps ahead again only
-      once drafting has paused for a few rounds). Its cost is the drafted rounds'
-      doing, so its excess counts towards theirs.
+    - ``"drafted"``: a round that verified a block of ``drafter``'s. Drafting,
+      acceptance, the commit and building the next forward no longer overlap a
+      forward.
+    - ``"after_draft"``: one of the plain steps right after a drafted round that are
+      not pipelined because of it (the loop queues plain steps ahead again only once
+      drafting has paused for a few rounds). Its cost is that drafted round's doing,
+      so its excess counts towards the drafter's.
 
-    :attr:`extra_s` is the excess of the drafted and after-draft rounds over the
-    baseline, per drafted round: decayed sums (``decay`` per drafted round, so it
-    follows the machine's load), starting from ``prior_s`` with ``prior_rounds``
-    pseudo-rounds. Each excess is clipped to ``clip`` one-token steps above (half
-    that below), so a pause of the process (garbage collection, another job) does
-    not swing it.
+    :meth:`extra_s` is, per drafter, the excess of its drafted and after-draft
+    rounds over the baseline, per drafted round: decayed sums (``decay`` per round
+    observed, so the estimate follows the machine's load and relaxes towards
+    ``prior_s`` while nothing is drafted), starting from ``prior_s`` with
+    ``prior_rounds`` pseudo-rounds, and never below 0. Each excess is clipped to
+    ``clip`` one-token steps above (half that below), so a pause of the process
+    (garbage collection, another job) does not swing it.
     """
 
-    KINDS = ("pipelined", "drafted", "after_draft")
+    KINDS = ("plain", "drafted", "after_draft")
 
     def __init__(
         self,
         *,
         prior_s: float = 0.0,
-        prior_rounds: float = 1.0,
-        decay: float = 0.97,
+        prior_rounds: float = 2.0,
+        decay: float = 0.98,
         alpha: float = 0.05,
         clip: float = 1.0,
     ) -> None:
@@ -393,21 +397,27 @@ class RoundOverhead:
         self.decay = decay
         self.alpha = alpha
         self.clip = clip
-        #: the pipelined plain steps' excess (an exponential average from 0).
+        #: the plain steps' excess (an exponential average from 0).
         self.baseline_s = 0.0
-        self._excess = 0.0  # decayed sum over drafted and after-draft rounds, less the baseline
-        self._drafted = 0.0  # decayed count of drafted rounds
+        # per drafter, decayed: the sum of the drafted and after-draft rounds' excess,
+        # how many such rounds, and how many drafted rounds
+        self._sum: dict[str, float] = {}
+        self._n: dict[str, float] = {}
+        self._drafted: dict[str, float] = {}
         #: rounds observed, by kind.
         self.rounds = dict.fromkeys(self.KINDS, 0)
 
-    def observe(self, kind: str, excess_s: float, step_s: float) -> None:
+    def observe(
+        self, kind: str, excess_s: float, step_s: float, drafter: str | None = None
+    ) -> None:
         """Learn one round.
 
         Args:
-            kind: ``"pipelined"``, ``"drafted"`` or ``"after_draft"`` (see the class).
+            kind: ``"plain"``, ``"drafted"`` or ``"after_draft"`` (see the class).
             excess_s: the round's wall time minus the curve's cost of its forward.
             step_s: the curve's cost of a one-token step at the round's context (the
                 clip's unit).
+            drafter: whose drafted round it was, or followed (``None``: ``""``).
 
         Raises:
             ValueError: an unknown ``kind``.
@@ -417,25 +427,35 @@ class RoundOverhead:
         lim = self.clip * max(step_s, 0.0)
         x = min(max(float(excess_s), -0.5 * lim), lim)
         self.rounds[kind] += 1
-        if kind == "pipelined":
+        d = self.decay
+        if d < 1.0:
+            for table in (self._sum, self._n, self._drafted):
+                for k in table:
+                    table[k] *= d
+        if kind == "plain":
             self.baseline_s += self.alpha * (x - self.baseline_s)
             return
+        name = drafter or ""
+        self._sum[name] = self._sum.get(name, 0.0) + x
+        self._n[name] = self._n.get(name, 0.0) + 1.0
+        self._drafted.setdefault(name, 0.0)
         if kind == "drafted":
-            self._excess *= self.decay
-            self._drafted = self._drafted * self.decay + 1.0
-        self._excess += x - self.baseline_s
+            self._drafted[name] += 1.0
 
-    @property
-    def extra_s(self) -> float:
-        """Seconds a drafted round costs beyond its forward and a pipelined step's excess."""
+    def extra_s(self, drafter: str | None = None) -> float:
+        """Seconds a round drafted by ``drafter`` costs beyond its forward and the
+        baseline (``prior_s`` before any of its rounds; never below 0)."""
+        name = drafter or ""
         w = self.prior_rounds
-        return (self._excess + self.prior_s * w) / (self._drafted + w)
+        excess = self._sum.get(name, 0.0) - self.baseline_s * self._n.get(name, 0.0)
+        return max(0.0, (excess + self.prior_s * w) / (self._drafted.get(name, 0.0) + w))
 
     def to_dict(self) -> dict:
-        """The estimate and the baseline in milliseconds, and the rounds seen by kind."""
+        """The baseline and each drafter's extra in milliseconds, and the rounds seen
+        by kind."""
         return {
-            "extra_ms": round(1e3 * self.extra_s, 3),
             "baseline_ms": round(1e3 * self.baseline_s, 3),
+            "extra_ms": {n or "-": round(1e3 * self.extra_s(n), 3) for n in sorted(self._sum)},
             "rounds": dict(self.rounds),
         }
 
@@ -533,14 +553,17 @@ class CostModel:
         """Seconds for a verify forward of ``width`` tokens at ``context`` (see the curve)."""
         return self.curve().cost(width, context)
 
-    def observe_round(self, kind: str, width: int, context: int, seconds: float) -> None:
-        """A finished round of ``kind`` (see :class:`RoundOverhead`) fed ``width``
-        tokens after ``context`` and took ``seconds`` of wall time (nothing is learnt
-        before the curve is at hand)."""
+    def observe_round(
+        self, kind: str, width: int, context: int, seconds: float, drafter: str | None = None
+    ) -> None:
+        """A finished round of ``kind`` (see :class:`RoundOverhead`; ``drafter``: whose
+        block it verified, or followed) fed ``width`` tokens after ``context`` and took
+        ``seconds`` (nothing is learnt before the curve is at hand)."""
         curve = self._curve
         if curve is None:
             return
-        self.overhead.observe(kind, seconds - curve.cost(width, context), curve.cost(1, context))
+        excess = seconds - curve.cost(width, context)
+        self.overhead.observe(kind, excess, curve.cost(1, context), drafter)
 
     @property
     def round_overhead_s(self) -> float:
@@ -548,11 +571,11 @@ class CostModel:
         learnt from pipelined plain steps): :func:`best_block`'s ``overhead_s``."""
         return self.overhead.baseline_s
 
-    @property
-    def draft_overhead_s(self) -> float:
-        """Seconds a drafted round costs beyond that (:attr:`RoundOverhead.extra_s`): what
-        :func:`best_block`'s ``draft_cost`` adds to a block of any size."""
-        return self.overhead.extra_s
+    def draft_overhead_s(self, drafter: str | None = None) -> float:
+        """Seconds a round drafted by ``drafter`` costs beyond that
+        (:meth:`RoundOverhead.extra_s`): what :func:`best_block`'s ``draft_cost`` adds
+        to a block of any size."""
+        return self.overhead.extra_s(drafter)
 
     def note_context(self, context: int) -> None:
         """Record a context length reached by a request (see :meth:`refresh`)."""

@@ -947,7 +947,8 @@ class Pipeline:
         # rounds' wall times (finish to finish); see specdec.costs.RoundOverhead.
         timed = None if plain else row.cost
         t_prev, away_prev = t_start, row.away_s
-        drafted_before = False
+        drafter: str | None = None  # who drafted the last drafted round
+        since = 0  # rounds since it
         while True:
             if queued is None:
                 rnd = self._start_round(row, plan, None)
@@ -957,16 +958,12 @@ class Pipeline:
                 rnd = self._adopt(row, plan, queued)
             queued = None
             more = on_round is None and self.ranks is None and row.n_out + 1 < row.max_tokens
+            can_queue = (
+                more and self._lookahead and not row.processors and row.n_out + 2 < row.max_tokens
+            )
             if plain and more:
                 queued = self._start_round(row, plan, rnd)
-            elif (
-                more
-                and self._lookahead
-                and rnd.chosen is None
-                and idle >= _IDLE_LOOKAHEAD
-                and not row.processors
-                and row.n_out + 2 < row.max_tokens
-            ):
+            elif can_queue and rnd.chosen is None and idle >= _IDLE_LOOKAHEAD:
                 # Drafting has paused: queue the next round as a plain step now, as
                 # plain decoding does, so the host's work overlaps the forward.
                 queued = self._start_lookahead(row, plan, rnd)
@@ -976,9 +973,12 @@ class Pipeline:
                 if timed is not None:
                     t_now = time.perf_counter()
                     busy = t_now - t_prev - (row.away_s - away_prev)
-                    self._time_round(timed, rnd, busy, drafted_before)
+                    if rnd.chosen is not None:
+                        drafter, since = rnd.chosen, 0
+                    else:
+                        since += 1
+                    self._time_round(timed, rnd, busy, drafter, since, can_queue)
                     t_prev, away_prev = t_now, row.away_s
-                    drafted_before = drafted_before or rnd.chosen is not None
                 if queued is not None and queued.fed_token is not None:
                     if int(queued.fed_token.item()) != result.token:
                         # The acceptor drew another token than the lazy sample: undo it.
@@ -1003,19 +1003,34 @@ class Pipeline:
                 return
 
     @staticmethod
-    def _time_round(cost: CostModel, rnd: _Round, seconds: float, drafted_before: bool) -> None:
-        """Tell the cost model a round's wall time and kind: drafted, a plain step queued
-        ahead (pipelined), or a plain step after a drafted one that was not; the plain
-        steps that open a request (nothing drafted yet, not queued ahead) teach nothing.
-        A round's time runs from the end of the round before (the first one's from the
-        end of the prefill), less the time the stream spent suspended at its yields
-        (its consumer's work, or other streams advanced in between)."""
+    def _time_round(
+        cost: CostModel,
+        rnd: _Round,
+        seconds: float,
+        drafter: str | None,
+        since: int,
+        can_queue: bool,
+    ) -> None:
+        """Tell the cost model a round's wall time and kind (see RoundOverhead).
+
+        ``drafted``: the round verified a block (of ``rnd.chosen``). ``after_draft``:
+        one of the plain steps after a drafted round (``since`` rounds ago, of
+        ``drafter``'s) until steps are queued ahead again: the few the loop runs
+        unpipelined, and the first one queued ahead, whose forward was mostly run
+        while the round before it queued it, so the two together cost what they
+        cost. ``plain``: a step queued ahead otherwise. Unpipelined plain steps
+        that no draft caused (the first rounds of a request, its last two, rows with
+        logits processors) teach nothing. A round's time runs from the end of the
+        round before (the first one's from the end of the prefill), less the time
+        the stream sat suspended at its yields (its consumer's work)."""
         if rnd.chosen is not None:
-            cost.observe_round("drafted", rnd.n_fed, rnd.position, seconds)
-        elif rnd.fed_token is not None:
-            cost.observe_round("pipelined", 1, rnd.position, seconds)
-        elif drafted_before:
-            cost.observe_round("after_draft", 1, rnd.position, seconds)
+            cost.observe_round("drafted", rnd.n_fed, rnd.position, seconds, rnd.chosen)
+            return
+        queued = rnd.fed_token is not None
+        if drafter is not None and since <= _IDLE_LOOKAHEAD + 2 and (queued or can_queue):
+            cost.observe_round("after_draft", 1, rnd.position, seconds, drafter)
+        elif queued:
+            cost.observe_round("plain", 1, rnd.position, seconds)
 
     @staticmethod
     def _observe(row: _Row, result: RoundResult) -> None:

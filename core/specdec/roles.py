@@ -173,8 +173,9 @@ class RequestContext:
         head: the draft head the drafter named with its ``head`` option (``None`` otherwise).
         plan: the request's rollback plan over ``caches``.
         cost: the pipeline's :class:`specdec.CostModel` (what a verify forward of each
-            width costs at each context length) when the drafter asked for it with
-            ``uses_verify_cost``; ``None`` otherwise.
+            width costs at each context length, and what a round and a drafted round
+            cost beyond it: ``round_overhead_s``, ``draft_overhead_s(drafter)``) when
+            the drafter asked for it with ``uses_verify_cost``; ``None`` otherwise.
     """
 
     model: Any

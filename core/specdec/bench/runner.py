@@ -5,7 +5,8 @@ memory). For each temperature and workload: a short warm-up of every contender,
 then ``runs`` rounds of ``off`` (the ``none`` policy), optionally ``mlx-lm``
 (mlx-lm's own ``stream_generate``), then ``on`` (the chosen policy), in that order in
 the first round and rotated by one place in each round after it (round ``i`` starts
-with contender ``i mod n``), unless mlx-lm's speculative runs take part (below).
+with contender ``i mod n``), except in greedy rounds with mlx-lm's speculative runs
+(below).
 Every run decodes the same prompt with the same seed.
 
 With ``baseline="mlx-lm"`` and a policy that uses the ``draft_model`` drafter, each
@@ -686,14 +687,14 @@ def run_bench(
     def kinds_at(temp: float, i: int) -> list[str]:
         # mlx-lm accepts a sampled draft only when the target samples the same token
         # (not rejection sampling): its speculative runs are compared greedy only.
-        if spec_pairs:
-            order = kinds_odd if i % 2 else kinds
-            return [k for k in order if temp == 0 or k not in spec_pairs]
+        if spec_pairs and temp == 0:
+            return kinds_odd if i % 2 else kinds
         # The order rotates run by run, so that no contender always runs in the same
         # place: where it did (off, then each policy), two policies that decoded alike
         # (no draft at all) differed by up to 17% in one bench on this machine.
-        r = i % len(kinds)
-        return kinds[r:] + kinds[:r]
+        base = [k for k in kinds if k not in spec_pairs]
+        r = i % len(base)
+        return base[r:] + base[:r]
 
     results: list[WorkloadResult] = []
     warmed: set[str] = set()

@@ -294,8 +294,8 @@ def test_what_a_drafted_round_costs_beyond_its_forward_counts_in_the_size():
     ctx = cost_ctx(PERIOD * 2, flat_curve(per_token=0.1))
     assert create_ngram_copy().session(ctx).propose(PERIOD * 2, 16) is not None
     for _ in range(30):
-        ctx.cost.observe_round("drafted", 17, len(PERIOD) * 2, 2.6 + 0.95)
-    assert ctx.cost.draft_overhead_s > 0.9
+        ctx.cost.observe_round("drafted", 17, len(PERIOD) * 2, 2.6 + 0.95, "ngram_copy")
+    assert ctx.cost.draft_overhead_s("ngram_copy") > 0.8
     s = create_ngram_copy().session(ctx)
     assert s.propose(PERIOD * 2, 16) is None
     assert s.stats()["declined"] == 1

@@ -154,7 +154,7 @@ class NgramCopyDrafter(BaseDrafter):
             far back (the place the answer is copying) is not outvoted by several
             that share only the last few tokens.
         round_overhead: with ``"cost"``, count what a drafted round costs beyond its
-            verify forward, as the pipeline measured it (``ctx.cost.draft_overhead_s``
+            verify forward, as the pipeline measured it (``ctx.cost.draft_overhead_s()``
             and ``round_overhead_s``); ``False`` prices a block by the verify cost
             curve alone (as 0.3.3 did), where drafting pays more often: for a model
             whose forward is as cheap as the loop's host work (a tiny test model).
@@ -540,7 +540,7 @@ class NgramCopySession(BaseDrafterSession):
             return cost.cost(width, context)
 
         if d.round_overhead:  # what a round, and drafting, cost beyond the forward
-            base, extra = cost.round_overhead_s, cost.draft_overhead_s
+            base, extra = cost.round_overhead_s, cost.draft_overhead_s(self.name)
         else:
             base = extra = 0.0
         choice = best_block(
