@@ -334,6 +334,23 @@ class _Refuser(specdec.BaseGovernor):
         return G()
 
 
+def _plugin(drafter_factory, **governors):
+    """A plugin that registers ``drafter_factory`` as the drafter ``shadowy`` and each
+    governor instance under its keyword."""
+
+    class P:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("shadowy", drafter_factory)
+
+        @specdec.hookimpl
+        def specdec_register_governors(self, register):
+            for name, governor in governors.items():
+                register(name, lambda g=governor: g)
+
+    return P()
+
+
 def test_pipeline_shadows_refused_drafters_and_hands_out_the_cost_model(monkeypatch):
     model = make_tiny_model("llama", vocab_size=64)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -341,16 +358,7 @@ def test_pipeline_shadows_refused_drafters_and_hands_out_the_cost_model(monkeypa
     drafter, governor = _Copy(ref), _Refuser()
     given = curve([(1.0, 1.1, 1.2, 1.3), (1.0, 1.1, 1.2, 1.3)])
 
-    class P:
-        @specdec.hookimpl
-        def specdec_register_drafters(self, register):
-            register("shadowy", lambda: drafter)
-
-        @specdec.hookimpl
-        def specdec_register_governors(self, register):
-            register("refuser", lambda: governor)
-
-    with plugin_host(P(), load_entry_points=False) as host:
+    with plugin_host(_plugin(lambda: drafter, refuser=governor), load_entry_points=False) as host:
         pipe = specdec.assemble(
             model, policy={"drafters": ["shadowy"], "governor": "refuser"}, host=host
         )
@@ -415,16 +423,7 @@ def test_the_loop_tells_the_cost_model_each_rounds_kind_without_the_consumers_ti
     # 20 ms of sleep per token were counted in the round times.
     given = curve([(0.03, 0.031, 0.032, 0.033), (0.03, 0.031, 0.032, 0.033)])
 
-    class P:
-        @specdec.hookimpl
-        def specdec_register_drafters(self, register):
-            register("shadowy", lambda: drafter)
-
-        @specdec.hookimpl
-        def specdec_register_governors(self, register):
-            register("sometimes", lambda: governor)
-
-    with plugin_host(P(), load_entry_points=False) as host:
+    with plugin_host(_plugin(lambda: drafter, sometimes=governor), load_entry_points=False) as host:
         pipe = specdec.assemble(
             model,
             policy={"drafters": ["shadowy"], "governor": "sometimes", "max_block": 2},
@@ -455,12 +454,7 @@ def test_no_cost_model_without_a_drafter_that_reads_it():
     class NoCost(_Copy):
         uses_verify_cost = False
 
-    class P:
-        @specdec.hookimpl
-        def specdec_register_drafters(self, register):
-            register("shadowy", NoCost)
-
-    with plugin_host(P(), load_entry_points=False) as host:
+    with plugin_host(_plugin(NoCost), load_entry_points=False) as host:
         pipe = specdec.assemble(model, policy={"drafters": ["shadowy"]}, host=host)
         assert pipe.cost_model is None
         out = pipe.generate([1, 2, 3], max_tokens=4)
@@ -473,15 +467,10 @@ def test_a_curve_that_cannot_be_profiled_does_not_fail_the_request(monkeypatch):
     ref = prompt + specdec.assemble(model, policy="none").generate(prompt, max_tokens=12).tokens
     drafter = _Copy(ref)
 
-    class P:
-        @specdec.hookimpl
-        def specdec_register_drafters(self, register):
-            register("shadowy", lambda: drafter)
-
     def broken(*a, **k):
         raise RuntimeError("no memory for the profile")
 
-    with plugin_host(P(), load_entry_points=False) as host:
+    with plugin_host(_plugin(lambda: drafter), load_entry_points=False) as host:
         pipe = specdec.assemble(model, policy={"drafters": ["shadowy"]}, host=host)
         pipe.cost_model = CostModel(model, persist=False)
         monkeypatch.setattr(CostModel, "_memory", {})
@@ -507,16 +496,7 @@ def test_no_shadow_proposals_for_a_governor_that_reads_none():
 
     governor = Blind()
 
-    class P:
-        @specdec.hookimpl
-        def specdec_register_drafters(self, register):
-            register("shadowy", lambda: drafter)
-
-        @specdec.hookimpl
-        def specdec_register_governors(self, register):
-            register("blind", lambda: governor)
-
-    with plugin_host(P(), load_entry_points=False) as host:
+    with plugin_host(_plugin(lambda: drafter, blind=governor), load_entry_points=False) as host:
         pipe = specdec.assemble(
             model, policy={"drafters": ["shadowy"], "governor": "blind"}, host=host
         )
