@@ -342,8 +342,13 @@ def test_a_store_that_cannot_be_written_warns(tmp_path):
 
 # -- in the pipeline, on a tiny random model ------------------------------------------------
 
+# round_overhead off: on a tiny model a forward costs about the loop's host work, and
+# with the measured round overhead which blocks pay would depend on the machine's
+# timing (a fresh-clone CI run once accepted 5 store tokens here, not 8).
 STORE = specdec.Policy(
-    name="ngram-store", drafters=("ngram_copy",), options={"ngram_copy": {"store": True}}
+    name="ngram-store",
+    drafters=("ngram_copy",),
+    options={"ngram_copy": {"store": True, "round_overhead": False}},
 )
 
 
