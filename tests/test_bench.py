@@ -18,11 +18,15 @@ import specdec
 from core_support import tiny_config, write_random_llama
 from specdec.bench import (
     RECORD_FIELDS,
+    SHORT_ANSWER_TOKENS,
     Progress,
+    RunSample,
+    WorkloadResult,
     faithfulness,
     get_workloads,
     load_workloads,
     parse_sweep,
+    policy_pairs,
     run_bench,
     spec_baseline_table,
     sweep_policies,
@@ -564,6 +568,65 @@ def test_spec_baseline_is_shared_by_policies_with_the_same_pair(loaded):
     assert [r.spec_draft_tokens for r in res] == [2, 2, 3]
 
 
+def _sample(kind: str, tps: float) -> RunSample:
+    return RunSample(
+        kind=kind,
+        tokens=[1],
+        text="",
+        decode_tps=tps,
+        step_tps=tps,
+        peak_memory_gb=0.0,
+        tokens_per_forward=1.0,
+        acceptance_rate=0.0,
+    )
+
+
+def _result(policy: str, off: list, on: list[float]) -> WorkloadResult:
+    return WorkloadResult(
+        workload="w",
+        temp=1.0,
+        policy=policy,
+        prompt_tokens=1,
+        max_tokens=1,
+        off=off,
+        on=[_sample("on", x) for x in on],
+    )
+
+
+def test_ratio_is_the_median_of_the_rounds_ratios():
+    # Round 2 ran while the machine was slow: both of its runs took twice as long.
+    off = [_sample("off", x) for x in (10.0, 5.0, 10.0)]
+    res = _result("a", off, [11.0, 5.5, 9.0])
+    assert res.paired_ratios == pytest.approx([1.1, 1.1, 0.9])
+    assert res.ratio == pytest.approx(1.1)
+    # the ratio of the medians (9 / 10) mixes rounds and reports a slowdown
+    assert res.ratio_of_medians == pytest.approx(0.9)
+    d = res.details()
+    assert d["ratio"] == pytest.approx(1.1) and d["ratio_of_medians"] == pytest.approx(0.9)
+    assert d["paired_ratios"] == pytest.approx([1.1, 1.1, 0.9])
+    # runs that do not pair up fall back to the ratio of the medians
+    odd = _result("a", off, [11.0, 5.5])
+    assert odd.paired_ratios == [] and odd.ratio == pytest.approx(8.25 / 10)
+    # a one-token answer is too short to time; one of SHORT_ANSWER_TOKENS is not
+    assert res.short_answer and d["short_answer"] is True
+    off[0].tokens = [1] * SHORT_ANSWER_TOKENS
+    assert not res.short_answer
+
+
+def test_policy_pairs_compare_each_policy_with_the_first_round_by_round():
+    off = [_sample("off", x) for x in (10.0, 5.0, 10.0)]
+    a = _result("copy", off, [10.0, 5.0, 12.0])
+    b = _result("ngram", off, [10.0, 4.0, 10.0])
+    c = _result("other", off, [10.0])  # does not pair up: left out
+    pairs = policy_pairs([a, b, c])
+    assert len(pairs) == 1
+    p = pairs[0]
+    assert (p["workload"], p["temp"], p["first"], p["other"]) == ("w", 1.0, "copy", "ngram")
+    assert p["runs"] == pytest.approx([1.0, 1.25, 1.2])
+    assert p["first_vs_other"] == pytest.approx(1.2)
+    assert policy_pairs([a]) == []
+
+
 def test_progress_redraws_one_line_on_a_terminal():
     class Tty(io.StringIO):
         def isatty(self):
@@ -613,6 +676,8 @@ def test_cli_table_on_stdout_without_json(capsys, byte_model):
     assert rc == 0, err
     assert out.startswith("| workload | temp | off tok/s | on tok/s | ratio |")
     assert "| prose | 0 |" in out and "code-edit" not in out
+    # six tokens decode in well under a second: the table says the ratio is no timing
+    assert re.search(r"Too short to time: prose at temp 0 \(\d tokens\)", out)
     assert "specdec bench [" not in err  # --no-progress
 
 
@@ -771,7 +836,12 @@ def test_cli_sweep_table_has_a_row_per_value(capsys, byte_model, tmp_path):
     assert "| code-edit | 0 | copy[ngram_copy.max_block=2] |" in out
     assert "| code-edit | 0 | copy[ngram_copy.max_block=4] |" in out
     tables, rounds = out.split("| rounds without draft |")
-    assert tables.count("| code-edit | 0 |") == 3  # two policies, one baseline row
+    # two policies, one baseline row, and the second policy against the first
+    assert tables.count("| code-edit | 0 |") == 4
+    assert (
+        "| code-edit | 0 | copy[ngram_copy.max_block=2] / copy[ngram_copy.max_block=4] |"
+        in tables
+    )
     assert rounds.count("| code-edit | 0 | copy[") == 2  # how each policy spent its rounds
     d = json.loads(details.read_text())
     assert d["policies"] == ["copy[ngram_copy.max_block=2]", "copy[ngram_copy.max_block=4]"]
@@ -854,6 +924,12 @@ def test_cli_several_policies_side_by_side(capsys, byte_model, tmp_path):
     for r in recs:
         assert sum(r["on_block_sizes"].values()) >= r["on_forwards"] > 0
         assert r["on_rounds_without_draft"] <= r["on_forwards"]
+        assert len(r["paired_ratios"]) == 1  # FAST: one run each
+    # copy against ngram, round by round, in the table and the details
+    assert "| code-edit | 0 | copy / ngram |" in out
+    (pair,) = json.loads(details.read_text())["policy_pairs"]
+    assert (pair["first"], pair["other"], len(pair["runs"])) == ("copy", "ngram", 1)
+    assert pair["first_vs_other"] > 0
 
 
 def test_cli_same_policy_twice_is_an_error(capsys, byte_model):

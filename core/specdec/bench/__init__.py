@@ -16,9 +16,11 @@ from .progress import Progress
 from .runner import (
     BASELINES,
     RECORD_FIELDS,
+    SHORT_ANSWER_TOKENS,
     RunSample,
     WorkloadResult,
     parse_sweep,
+    policy_pairs,
     run_bench,
     spec_baseline_table,
     sweep_policies,
@@ -29,6 +31,7 @@ from .workloads import Workload, faithfulness, get_workloads, load_workloads, wo
 __all__ = [
     "BASELINES",
     "RECORD_FIELDS",
+    "SHORT_ANSWER_TOKENS",
     "Progress",
     "RunSample",
     "Workload",
@@ -37,6 +40,7 @@ __all__ = [
     "get_workloads",
     "load_workloads",
     "parse_sweep",
+    "policy_pairs",
     "run_bench",
     "spec_baseline_table",
     "sweep_policies",

@@ -24,8 +24,11 @@ from .plot import MATPLOTLIB_MISSING, matplotlib_available, plot_results
 from .progress import Progress
 from .runner import (
     BASELINES,
+    SHORT_ANSWER_TOKENS,
     distributed_table,
     exactness_table,
+    policy_pairs,
+    policy_pairs_table,
     rounds_table,
     run_bench,
     single_comparison_table,
@@ -279,6 +282,15 @@ def format_table(results: list, *, baseline: str | None = None) -> str:
             f"| {r['off_peak_gb']:.3f} | {r['on_peak_gb']:.3f} "
             f"| {100 * res.commit_fraction:.1f}% | {faith} |"
         )
+    short = {(r.workload, r.temp): len(r.off[0].tokens) for r in results if r.short_answer}
+    if short:
+        each = ", ".join(f"{w} at temp {t:g} ({n} tokens)" for (w, t), n in short.items())
+        lines += [
+            "",
+            f"Too short to time: {each}. An answer under {SHORT_ANSWER_TOKENS} tokens "
+            "decodes in about a second, so its ratio is mostly noise (try another --seed "
+            "for a sampled answer).",
+        ]
     if baseline:
         lines += [
             "",
@@ -300,6 +312,9 @@ def format_table(results: list, *, baseline: str | None = None) -> str:
     spec = spec_baseline_table(results)
     if spec:
         lines += ["", spec]
+    pairs = policy_pairs_table(results)
+    if pairs:
+        lines += ["", pairs]
     rounds = rounds_table(results)
     if rounds:
         lines += ["", rounds]
@@ -479,6 +494,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "baseline": args.baseline,
             "dtype": args.dtype,
             "results": [r.details(with_output=True) for r in results],
+            "policy_pairs": policy_pairs(results),
         }
         with open(args.details, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2)
