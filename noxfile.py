@@ -358,10 +358,10 @@ def install(session: nox.Session) -> None:
         if component not in plugins:
             session.error(f"`specdec plugins` does not list {component}")
 
+    # No --policy: installing specdec-plugin-ngram makes the copy preset the default,
+    # and the stats line must say so.
     proc = run_specdec(
         "generate",
-        "--policy",
-        "copy",
         "--stats",
         "--max-tokens",
         "32",

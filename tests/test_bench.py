@@ -839,8 +839,7 @@ def test_cli_sweep_table_has_a_row_per_value(capsys, byte_model, tmp_path):
     # two policies, one baseline row, and the second policy against the first
     assert tables.count("| code-edit | 0 |") == 4
     assert (
-        "| code-edit | 0 | copy[ngram_copy.max_block=2] / copy[ngram_copy.max_block=4] |"
-        in tables
+        "| code-edit | 0 | copy[ngram_copy.max_block=2] / copy[ngram_copy.max_block=4] |" in tables
     )
     assert rounds.count("| code-edit | 0 | copy[") == 2  # how each policy spent its rounds
     d = json.loads(details.read_text())

@@ -22,6 +22,7 @@ import specdec
 from core_support import write_random_llama
 from specdec import blas
 from specdec.cli import build_parser, build_policy, format_stats_line, main
+from specdec.plugins import PluginHost
 
 WORDS = (
     "user assistant system : . , the a cat dog sat on mat and ran to house "
@@ -415,6 +416,8 @@ def test_generate_json(capsys, tiny_model, reference):
         "--max-tokens",
         "10",
         "--json",
+        "--policy",
+        "none",
     )
     assert rc == 0, err
     obj = json.loads(out)  # exactly one JSON object on stdout
@@ -425,6 +428,28 @@ def test_generate_json(capsys, tiny_model, reference):
         assert len(obj["tokens"]) == 10
     assert STATS_KEYS <= set(obj["stats"]), set(obj["stats"])
     assert obj["stats"]["speculation_off_reason"]  # policy "none" has no drafter
+
+
+def test_generate_runs_the_copy_preset_by_default_and_says_so(capsys, tiny_model, reference):
+    # The plugins of the copy preset are installed in the test environment.
+    assert specdec.default_policy().name == "copy"
+    rc, out, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model), "--prompt", PROMPT, "-m", "10", "--json"
+    )
+    assert rc == 0, err
+    obj = json.loads(out)
+    assert obj["policy"] == "copy" and obj["text"] == reference(10)
+    assert "ngram_copy" in obj["stats"]["per_drafter"]
+    rc, out, err = run_cli(
+        capsys, "generate", "--model", str(tiny_model), "--prompt", PROMPT, "-m", "6", "--stats"
+    )
+    assert rc == 0, err
+    assert "policy=copy" in err
+    # Without the plugins, the default is plain decoding.
+    bare = PluginHost(load_entry_points=False)
+    assert specdec.default_policy(bare).name == "none"
+    assert specdec.load_policy("default", host=bare).name == "none"
+    assert specdec.load_policy(None).name == "none"
 
 
 def test_generate_stats_line(capsys, tiny_model):

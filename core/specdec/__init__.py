@@ -57,7 +57,7 @@ from .loading import model_source, set_model_source
 from .paths import cache_dir
 from .pipeline import GenerationResult, Pipeline, StreamResponse, assemble
 from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host
-from .policy import PRESETS, Policy, load_policy
+from .policy import DEFAULT_POLICY, PRESETS, Policy, default_policy, load_policy
 from .progress import Progress
 from .roles import (
     CAPABILITIES,
@@ -94,7 +94,7 @@ from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.9"
+__version__ = "0.2.10"
 
 __all__ = [
     "CAPABILITIES",
@@ -135,6 +135,7 @@ __all__ = [
     "TapError",
     "DistributedError",
     "ModelLoadError",
+    "DEFAULT_POLICY",
     "PRESETS",
     "Pipeline",
     "PluginConflictError",
@@ -157,6 +158,7 @@ __all__ = [
     "assemble",
     "best_block",
     "cache_dir",
+    "default_policy",
     "get_plugin_host",
     "get_plugin_manager",
     "hookimpl",

@@ -34,7 +34,7 @@ from .distributed import (
 from .errors import ModelLoadError, PolicyError, RequestError, UnknownComponentError
 from .heads import model_vocab_size
 from .plugins import PluginHost, get_plugin_host
-from .policy import AUTO, Policy, load_policy
+from .policy import AUTO, DEFAULT_POLICY, Policy, load_policy
 from .roles import (
     CAPABILITIES,
     Acceptance,
@@ -1497,7 +1497,7 @@ class Pipeline:
 def assemble(
     model_or_path: Any = None,
     tokenizer: Any = None,
-    policy: Policy | str | os.PathLike | dict | None = "none",
+    policy: Policy | str | os.PathLike | dict | None = DEFAULT_POLICY,
     *,
     draft_model: Any = None,
     host: PluginHost | None = None,
@@ -1511,8 +1511,12 @@ def assemble(
             the built-in default model.
         tokenizer: the tokenizer when ``model_or_path`` is a model object (optional:
             without one, prompts must be token ids).
-        policy: a :class:`Policy`, preset name, TOML path or dict.
-        draft_model: shorthand: adds the ``draft_model`` drafter with this model (path or object).
+        policy: a :class:`Policy`, preset name, TOML path or dict; by default
+            ``"default"`` (:func:`specdec.default_policy`: the ``copy`` preset when
+            specdec-plugin-ngram and specdec-plugin-copy-governor are installed, else
+            ``none``). ``"none"`` (or ``None``) is plain decoding.
+        draft_model: shorthand: adds the ``draft_model`` drafter with this model (path or
+            object) to ``policy``; with ``policy`` left at ``"default"`` it drafts alone.
         host: a plugin host (default: the process-wide one).
         distributed: shard the model across the ranks of a distributed job (this process
             started by ``mlx.launch`` or ``mpirun`` as one of several ranks; see
@@ -1531,12 +1535,14 @@ def assemble(
         ModelLoadError: the model cannot be loaded, or cannot be split across the ranks.
         DistributedError: ``distributed=True`` in a process that is not one of several ranks.
     """
-    pol = load_policy(policy)
+    h = host or get_plugin_host()
+    if draft_model is not None and isinstance(policy, str) and policy == DEFAULT_POLICY:
+        policy = "none"  # a draft model and no policy named: the draft model drafts alone
+    pol = load_policy(policy, host=h)
     if draft_model is not None:
         if "draft_model" not in pol.drafters:
             pol = attrs.evolve(pol, drafters=(*pol.drafters, "draft_model"))
         pol = pol.with_options("draft_model", model=draft_model)
-    h = host or get_plugin_host()
     for n in pol.drafters:
         info = h.get("drafter", n)
         # Checks that need no model: capabilities and a named draft head.

@@ -109,13 +109,16 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument(
         "--policy",
-        default="none",
-        help="a preset name (none, copy, ngram, draft) or a policy .toml file (default: none)",
+        default="default",
+        help="a preset name (none, copy, ngram, draft, ...) or a policy .toml file "
+        "(default: 'default', the copy preset when specdec-plugin-ngram and "
+        "specdec-plugin-copy-governor are installed, else none; none is plain decoding)",
     )
     p.add_argument(
         "--draft-model",
         default=None,
-        help="a smaller model with the same tokenizer; adds the draft_model drafter",
+        help="a smaller model with the same tokenizer; adds the draft_model drafter (to "
+        "--policy; without --policy it drafts alone)",
     )
     p.add_argument(
         "--num-draft-tokens",
@@ -155,7 +158,10 @@ def build_policy(args: argparse.Namespace) -> Any:
 
     import specdec
 
-    policy = specdec.load_policy(args.policy)
+    spec = args.policy
+    if spec == specdec.DEFAULT_POLICY and args.draft_model is not None:
+        spec = "none"  # --draft-model and no --policy: the draft model drafts alone
+    policy = specdec.load_policy(spec)
     n = args.num_draft_tokens
     if n is not None and n < 1:
         raise CliError(f"--num-draft-tokens must be >= 1, got {n}")
