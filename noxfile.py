@@ -291,8 +291,9 @@ def _installed(session: nox.Session, python: str) -> dict[str, str]:
 @nox.session
 def install(session: nox.Session) -> None:
     """What a user does: ``pip install --find-links WHEELHOUSE specdec-plugin-ngram`` in a
-    clean virtual environment, then ``specdec generate --policy copy --stats`` on the
-    built-in default model.
+    clean virtual environment, then ``specdec generate --stats`` (no ``--policy``: the
+    ``copy`` preset is the default once the plugins are installed) on the built-in
+    default model.
 
     The wheelhouse is built into the session's temporary folder. The plugin must
     bring in specdec-core and specdec-plugin-copy-governor through its dependencies

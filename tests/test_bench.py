@@ -678,6 +678,7 @@ def test_cli_table_on_stdout_without_json(capsys, byte_model):
     assert "| prose | 0 |" in out and "code-edit" not in out
     # six tokens decode in well under a second: the table says the ratio is no timing
     assert re.search(r"Too short to time: prose at temp 0 \(\d tokens\)", out)
+    assert "raise --max-tokens" in out or "--seed" not in out  # greedy: no seed advice
     assert "specdec bench [" not in err  # --no-progress
 
 

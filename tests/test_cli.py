@@ -493,6 +493,16 @@ def _generate_policy(*argv: str):
     return build_policy(build_parser().parse_args(["generate", *argv]))
 
 
+def test_draft_model_without_a_policy_drafts_alone_and_says_so(tiny_model):
+    # the default policy (copy here) is not combined with a draft model nobody asked
+    # to combine: the draft preset runs, under its own name
+    pol = _generate_policy("--draft-model", str(tiny_model))
+    assert pol.drafters == ("draft_model",) and pol.name == "draft"
+    assert pol.options_for("draft_model")["model"] == str(tiny_model)
+    both = _generate_policy("--policy", "copy", "--draft-model", str(tiny_model))
+    assert both.drafters == ("ngram_copy", "draft_model") and both.name == "copy+draft_model"
+
+
 @pytest.mark.parametrize("policy", ["none", "draft", "copy"])
 @pytest.mark.parametrize("n", [1, 6, 20])
 def test_num_draft_tokens_sets_the_draft_model_drafter(tiny_model, policy, n):

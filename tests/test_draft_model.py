@@ -78,7 +78,7 @@ def test_draft_model_from_assemble_shorthand(models, copy_prompts):
     assert pipe.policy.drafters == ("draft_model",)
     # with no policy named (the copy preset by default), the draft model drafts alone
     alone = specdec.assemble(models["llama"], draft_model=models["llama"])
-    assert alone.policy.drafters == ("draft_model",)
+    assert alone.policy.drafters == ("draft_model",) and alone.policy.name == "draft"
     assert specdec.assemble(models["llama"]).policy.name == specdec.default_policy().name
     out = pipe.generate(copy_prompts["llama"], max_tokens=12)
     assert out.stats.accepted > 0

@@ -1537,7 +1537,7 @@ def assemble(
     """
     h = host or get_plugin_host()
     if draft_model is not None and isinstance(policy, str) and policy == DEFAULT_POLICY:
-        policy = "none"  # a draft model and no policy named: the draft model drafts alone
+        policy = "draft"  # a draft model and no policy named: the draft model drafts alone
     pol = load_policy(policy, host=h)
     if draft_model is not None:
         if "draft_model" not in pol.drafters:

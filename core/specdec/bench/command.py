@@ -41,7 +41,7 @@ from .workloads import get_workloads, workload_names
 DEFAULT_RUNS = 3
 DEFAULT_MAX_TOKENS = 300
 DEFAULT_SEED = 0
-DEFAULT_POLICY = "copy"
+DEFAULT_BENCH_POLICY = "copy"
 
 
 #: What ``--dtype`` casts to.
@@ -74,7 +74,7 @@ def add_bench_parser(sub: Any, func: Any) -> None:
         default=None,
         help="a policy measured against 'none': a preset or a .toml file; repeat it to "
         "measure several policies side by side against the same 'none' runs "
-        f"(default: {DEFAULT_POLICY})",
+        f"(default: {DEFAULT_BENCH_POLICY})",
     )
     p.add_argument(
         "--random-weights",
@@ -282,14 +282,22 @@ def format_table(results: list, *, baseline: str | None = None) -> str:
             f"| {r['off_peak_gb']:.3f} | {r['on_peak_gb']:.3f} "
             f"| {100 * res.commit_fraction:.1f}% | {faith} |"
         )
-    short = {(r.workload, r.temp): len(r.off[0].tokens) for r in results if r.short_answer}
+    short = {(r.workload, r.temp): r.off[0] for r in results if r.short_answer}
     if short:
-        each = ", ".join(f"{w} at temp {t:g} ({n} tokens)" for (w, t), n in short.items())
+        each = ", ".join(
+            f"{w} at temp {t:g} ({len(s.tokens)} tokens)" for (w, t), s in short.items()
+        )
+        cut = any(s.finish_reason == "length" for s in short.values())
+        ended = any(s.finish_reason != "length" and t > 0 for (_, t), s in short.items())
+        advice = [
+            *(["raise --max-tokens"] if cut else []),
+            *(["try another --seed for a sampled answer that ended early"] if ended else []),
+        ]
         lines += [
             "",
             f"Too short to time: {each}. An answer under {SHORT_ANSWER_TOKENS} tokens "
-            "decodes in about a second, so its ratio is mostly noise (try another --seed "
-            "for a sampled answer).",
+            "decodes in about a second, so its ratio is mostly noise"
+            + (f" ({'; '.join(advice)})." if advice else "."),
         ]
     if baseline:
         lines += [
@@ -340,7 +348,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CliError(f"--temp must be >= 0, got {t}")
     temps = list(dict.fromkeys(float(t) for t in temps))
     workloads = get_workloads(args.workload)
-    policies = [specdec.load_policy(p) for p in (args.policy or [DEFAULT_POLICY])]
+    policies = [specdec.load_policy(p) for p in (args.policy or [DEFAULT_BENCH_POLICY])]
     for pol in policies:
         check_policy_components(pol)
     names = [pol.name for pol in policies]

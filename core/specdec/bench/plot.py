@@ -25,7 +25,8 @@ def plot_results(results: Sequence[Any], path: str | os.PathLike, *, title: str 
     """Draw two panels, one bar group per workload and temperature, and save them to ``path``.
 
     Left: decode tok/s with the ``none`` policy (off) and with the chosen policy (on),
-    the on/off ratio above each pair. Right: tokens per target forward with the policy.
+    medians over the runs, and above each pair the record's ``ratio`` (the median of
+    the rounds' own on/off ratios, so not always the two bars' quotient). Right: tokens per target forward with the policy.
 
     Raises:
         ImportError: matplotlib is not installed (the message says how to install it).

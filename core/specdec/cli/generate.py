@@ -160,7 +160,7 @@ def build_policy(args: argparse.Namespace) -> Any:
 
     spec = args.policy
     if spec == specdec.DEFAULT_POLICY and args.draft_model is not None:
-        spec = "none"  # --draft-model and no --policy: the draft model drafts alone
+        spec = "draft"  # --draft-model and no --policy: the draft model drafts alone
     policy = specdec.load_policy(spec)
     n = args.num_draft_tokens
     if n is not None and n < 1:
