@@ -1536,9 +1536,7 @@ def assemble(
         DistributedError: ``distributed=True`` in a process that is not one of several ranks.
     """
     h = host or get_plugin_host()
-    if draft_model is not None and isinstance(policy, str) and policy == DEFAULT_POLICY:
-        policy = "draft"  # a draft model and no policy named: the draft model drafts alone
-    pol = load_policy(policy, host=h)
+    pol = load_policy(policy, host=h, draft_model=draft_model is not None)
     if draft_model is not None:
         if "draft_model" not in pol.drafters:
             pol = attrs.evolve(pol, drafters=(*pol.drafters, "draft_model"))

@@ -267,12 +267,17 @@ def default_policy(host: Any = None) -> Policy:
 
 
 def load_policy(
-    spec: Policy | str | os.PathLike | Mapping[str, Any] | None, *, host: Any = None
+    spec: Policy | str | os.PathLike | Mapping[str, Any] | None,
+    *,
+    host: Any = None,
+    draft_model: bool = False,
 ) -> Policy:
     """Turn a preset name, TOML path, dict or Policy into a :class:`Policy`.
 
     ``None`` is ``none`` (plain decoding); ``"default"`` (:data:`DEFAULT_POLICY`) is
-    :func:`default_policy` (looked up in ``host``, default: the process-wide one).
+    :func:`default_policy` (looked up in ``host``, default: the process-wide one), or
+    with ``draft_model`` (a draft model is given and no policy named) the ``draft``
+    preset: the draft model drafts alone.
 
     Raises:
         PolicyError: an unknown preset name (listing the presets), a missing or
@@ -287,7 +292,7 @@ def load_policy(
     if isinstance(spec, (str, os.PathLike)):
         s = os.fspath(spec)
         if s == DEFAULT_POLICY:
-            return default_policy(host)
+            return PRESETS["draft"] if draft_model else default_policy(host)
         if s in PRESETS:
             return PRESETS[s]
         if s.endswith(".toml") or os.sep in s or Path(s).is_file():

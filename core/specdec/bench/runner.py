@@ -206,6 +206,14 @@ def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
 
+def _paired(top: Sequence[Any], bottom: Sequence[Any]) -> list[float]:
+    """Decode rate of ``top`` over ``bottom``, run by run (run ``i`` of each was measured
+    in round ``i``); ``[]`` when the runs do not pair up."""
+    if len(top) != len(bottom):
+        return []
+    return [a.decode_tps / b.decode_tps for a, b in zip(top, bottom) if b.decode_tps > 0]
+
+
 @attrs.define
 class WorkloadResult:
     """Everything measured for one workload at one temperature."""
@@ -239,9 +247,7 @@ class WorkloadResult:
     def paired_ratios(self) -> list[float]:
         """``on`` over ``off`` decode rate, run by run: run ``i`` of each was measured in
         the same round, a few seconds apart (``[]`` when the runs do not pair up)."""
-        if len(self.on) != len(self.off):
-            return []
-        return [a.decode_tps / b.decode_tps for a, b in zip(self.on, self.off) if b.decode_tps > 0]
+        return _paired(self.on, self.off)
 
     @property
     def ratio_of_medians(self) -> float:
@@ -924,11 +930,7 @@ def policy_pairs(results: Sequence[WorkloadResult]) -> list[dict]:
     for (workload, temp), rs in groups.items():
         first = rs[0]
         for other in rs[1:]:
-            if len(other.on) != len(first.on):
-                continue
-            per = [
-                a.decode_tps / b.decode_tps for a, b in zip(first.on, other.on) if b.decode_tps > 0
-            ]
+            per = _paired(first.on, other.on)
             if per:
                 out.append(
                     {

@@ -158,10 +158,7 @@ def build_policy(args: argparse.Namespace) -> Any:
 
     import specdec
 
-    spec = args.policy
-    if spec == specdec.DEFAULT_POLICY and args.draft_model is not None:
-        spec = "draft"  # --draft-model and no --policy: the draft model drafts alone
-    policy = specdec.load_policy(spec)
+    policy = specdec.load_policy(args.policy, draft_model=args.draft_model is not None)
     n = args.num_draft_tokens
     if n is not None and n < 1:
         raise CliError(f"--num-draft-tokens must be >= 1, got {n}")
