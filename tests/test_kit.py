@@ -18,6 +18,7 @@ from specdec.testing import (
     check_sampled_distribution,
     check_sampled_identity,
     copy_heavy_prompt,
+    find_copy_prompt,
     plain_greedy,
 )
 from specdec.verifiers import HiddenStateVerifier, LogitsVerifier
@@ -264,3 +265,19 @@ def test_request_context_and_feed_round_drive_a_session_by_hand():
     )
     with pytest.raises(ValueError, match="at least one token"):
         feed_round(S(), [1], [])
+
+
+def test_find_copy_prompt_searches_for_accepted_copies(models):
+    m = models["llama"]
+    pol = specdec.load_policy("copy").with_options("ngram_copy", round_overhead=False)
+    prompt = find_copy_prompt(m, pol, min_accepted=2, drafter="ngram_copy", seed_len=6, cont_len=20)
+    assert len(prompt) == 32 and prompt[:6] == prompt[-6:]
+    assert prompt[6:26] == plain_greedy(m, prompt[:6], 20)  # seed, continuation, seed
+    st = specdec.assemble(m, policy=pol).generate(prompt, max_tokens=32).stats
+    own = st.per_drafter["ngram_copy"]
+    assert 2 <= own["accepted"] < own["drafted"]
+    # none qualifies: every candidate's (drafted, accepted) is named
+    with pytest.raises(AssertionError, match=r"no prompt of 3 gets 99 of ngram_copy's"):
+        find_copy_prompt(m, pol, min_accepted=99, tries=3, drafter="ngram_copy")
+    with pytest.raises(AssertionError, match=r"\(drafted, accepted\) \[\(0, 0\), \(0, 0\)\]"):
+        find_copy_prompt(m, "none", min_accepted=1, tries=2)

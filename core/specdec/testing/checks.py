@@ -6,6 +6,7 @@ import contextlib
 import importlib.metadata
 import math
 import os
+import random
 import shutil
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -625,6 +626,57 @@ def copy_heavy_prompt(model: Any, seed_tokens: Sequence[int], n: int = 24) -> li
     """A prompt whose continuation copies text it contains: seed, its greedy continuation, then the seed again."""
     cont = plain_greedy(model, seed_tokens, n)
     return list(seed_tokens) + cont + list(seed_tokens)
+
+
+def find_copy_prompt(
+    model: Any,
+    policy: Any,
+    *,
+    min_accepted: int = 6,
+    max_tokens: int = 32,
+    seed_len: int = 10,
+    cont_len: int = 40,
+    tries: int = 16,
+    drafter: str | None = None,
+) -> list[int]:
+    """A prompt on which ``policy`` gets at least ``min_accepted`` drafts accepted (and
+    some rejected) in ``max_tokens`` greedy tokens, from a deterministic search;
+    ``drafter`` counts only that drafter's (of a policy with several).
+
+    Candidate ``s`` (``0 .. tries - 1``) is ``seed_len`` tokens drawn with
+    ``random.Random(s)`` below the vocabulary's first 64 ids, their greedy continuation
+    (``cont_len`` tokens) and the seed again, as :func:`copy_heavy_prompt` builds it.
+    On a tiny random model the continuation after the second seed need not repeat the
+    first (it attends to all of it), so how many copy drafts a
+    :func:`copy_heavy_prompt` gets accepted is luck; a test that needs accepted copies
+    should search for its prompt with the policy it runs.
+
+    Raises:
+        AssertionError: naming every candidate's (drafted, accepted), if none qualifies.
+    """
+    plain = _plain(model)
+    spec = assemble(model, policy=policy)
+    vocab = min(64, int(getattr(getattr(model, "args", None), "vocab_size", 64) or 64))
+    tried = []
+    for s in range(tries):
+        rng = random.Random(s)
+        seed = [rng.randrange(vocab) for _ in range(seed_len)]
+        cont = plain.generate(seed, max_tokens=cont_len, temperature=0.0).tokens
+        prompt = seed + cont + seed
+        stats = spec.generate(prompt, max_tokens=max_tokens, temperature=0.0).stats
+        if drafter is None:
+            drafted, accepted = stats.drafted, stats.accepted
+        else:
+            own = stats.per_drafter.get(drafter, {})
+            drafted, accepted = own.get("drafted", 0), own.get("accepted", 0)
+        if min_accepted <= accepted < drafted:
+            return prompt
+        tried.append((drafted, accepted))
+    whose = f"{drafter}'s" if drafter else ""
+    raise AssertionError(
+        f"no prompt of {tries} gets {min_accepted} of {whose or 'its'} drafts accepted: "
+        f"(drafted, accepted) {tried}"
+    )
 
 
 _ = math  # kept for users extending the kit

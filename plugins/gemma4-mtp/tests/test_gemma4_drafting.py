@@ -11,7 +11,7 @@ from specdec.testing import (
     check_greedy_identity,
     check_sampled_distribution,
     check_sampled_identity,
-    copy_heavy_prompt,
+    find_copy_prompt,
 )
 from specdec_gemma4_mtp import DEFAULTS
 
@@ -92,9 +92,13 @@ def test_seeded_identity_with_greedy_drafts(trained):
 
 
 def test_composition_copies_on_a_match_and_uses_the_assistant_otherwise(trained):
-    model, folder, seqs, _ = trained("gemma4", "dense")
-    prompt = copy_heavy_prompt(model, seqs[0][:12])
-    pol = policy(folder, preset="copy-gemma4")
+    model, folder, _, _ = trained("gemma4", "dense")
+    # Blocks priced by the verify curve alone: on a tiny model the measured round
+    # overhead makes which copies pay depend on the machine's timing. And this tiny
+    # target's text does not repeat itself, so whether copies hold is luck: the prompt
+    # is searched for (a CI run accepted none of ngram_copy's blocks on a fixed one).
+    pol = policy(folder, preset="copy-gemma4").with_options("ngram_copy", round_overhead=False)
+    prompt = find_copy_prompt(model, pol, min_accepted=2, tries=32, drafter="ngram_copy")
     check_greedy_identity(model, pol, prompt, max_tokens_list=(4, 30))
     out = specdec.assemble(model, policy=pol).generate(prompt, max_tokens=30)
     per = out.stats.per_drafter

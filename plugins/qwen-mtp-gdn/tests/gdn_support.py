@@ -6,9 +6,9 @@ A module name of its own, not ``conftest``: several test folders are collected t
 from __future__ import annotations
 
 import functools
-import random
 
 import specdec
+from specdec.testing import find_copy_prompt
 from specdec_qwen_mtp_gdn.tiny import make_tiny_draft, make_tiny_hybrid
 
 #: The two architectures the pipeline tests run on (qwen3_5_moe shares qwen3_5's GDN layer).
@@ -35,17 +35,4 @@ def draft_for(arch):
 def copy_prompt(arch, min_accepted=6):
     """A prompt (seed, the model's continuation, the seed again) on which ``ngram_copy``
     gets ``min_accepted`` drafts accepted in 32 greedy tokens, from a deterministic search."""
-    model = copy_model(arch)
-    plain = specdec.assemble(model, policy="none")
-    spec = specdec.assemble(model, policy=NGRAM)
-    tried = []
-    for s in range(16):
-        rng = random.Random(s)
-        seed = [rng.randrange(64) for _ in range(10)]
-        cont = plain.generate(seed, max_tokens=48).tokens
-        prompt = seed + cont[:40] + seed
-        out = spec.generate(prompt, max_tokens=32)
-        if min_accepted <= out.stats.accepted < out.stats.drafted:
-            return tuple(prompt)
-        tried.append((out.stats.drafted, out.stats.accepted))
-    raise AssertionError(f"no copy-heavy prompt for tiny {arch}: (drafted, accepted) {tried}")
+    return tuple(find_copy_prompt(copy_model(arch), NGRAM, min_accepted=min_accepted))
