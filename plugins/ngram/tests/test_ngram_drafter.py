@@ -24,7 +24,7 @@ def test_defaults_documented_and_applied():
     assert d.ladder == ((2, 4), (4, 8), (8, 16))
     assert (d.max_edits, d.realign) == (1, True)
     assert (d.sizing, d.continuation, d.min_share, d.decay) == ("cost", "frequent", 0.0, 0.95)
-    assert d.vote_floor == 32 and d.round_overhead is True
+    assert d.vote_floor == 32 and d.round_overhead is True and d.learn_bonus is False
     assert d.uses_verify_cost
     assert not create_ngram_copy(sizing="ladder").uses_verify_cost
     assert (d.store, d.store_max_tokens) == (None, 200_000)
@@ -36,6 +36,7 @@ def test_defaults_documented_and_applied():
         "min_share",
         "vote_floor",
         "round_overhead",
+        "learn_bonus",
         "decay",
         "source",
         "min_n",
@@ -341,6 +342,41 @@ def test_verified_outcomes_shape_the_estimates():
     # committed tokens continue the copy, soon make it try again).
     assert sizes[0] > 1 and sizes[1] < sizes[0] and 0 in sizes, sizes
     assert s.stats()["declined"] > 0
+
+
+def test_a_block_accepted_in_full_scores_the_next_token_against_the_bonus():
+    # A copy whose blocks are accepted in full: with learn_bonus each round also scores
+    # the continuation's next token against the bonus token (the target's next one),
+    # so position k + 1 gets evidence and the next block is longer; without it the
+    # positions past the block only have their prior.
+    def first_two(**options):
+        history = list(range(100, 140)) * 2
+        s = create_ngram_copy(**options).session(cost_ctx(history, flat_curve(per_token=0.3)))
+        sizes, scored = [], []
+        for _ in range(2):
+            d = s.propose(history, 16)
+            k = len(d.tokens)
+            copy = history[len(history) - 40 : len(history) - 40 + k + 1]  # it goes on
+            history = feed_round(s, history, copy, block=d.tokens, n_accepted=k, drafter=s.name)
+            est = s.estimates[s._bucket_of(s.last_match)]
+            sizes.append(k)
+            scored.append(est.reached[k] if k < est.max_positions else None)
+        return sizes, scored
+
+    (k1, k2), (scored, _) = first_two(learn_bonus=True)
+    (b1, b2), (unscored, _) = first_two()  # the default: off
+    assert k1 == b1 and scored > 0 and unscored == 0  # position k + 1 scored, or not
+    assert k2 > b2, (k2, b2)
+    # A bonus that disagrees with the continuation: position k + 1 was rejected.
+    history = list(range(100, 140)) * 2
+    s = create_ngram_copy(learn_bonus=True).session(cost_ctx(history, flat_curve(per_token=0.3)))
+    d = s.propose(history, 16)
+    k = len(d.tokens)
+    feed_round(s, history, [*d.tokens, 7], block=d.tokens, n_accepted=k, drafter=s.name)
+    est = s.estimates[s._bucket_of(s.last_match)]
+    assert est.reached[k] > 0 and est.accepted[k] == 0 and est.accepted[k - 1] > 0
+    with pytest.raises(specdec.PolicyError, match="learn_bonus must be true or false"):
+        create_ngram_copy(learn_bonus=1)
 
 
 def test_a_long_match_is_never_priced_below_a_shorter_one():

@@ -256,9 +256,18 @@ VARIANTS = [
     {"sizing": "cost", "continuation": "recent"},
     {"sizing": "ladder", "continuation": "frequent"},
     {"sizing": "cost", "continuation": "frequent", "min_share": 0.6, "decay": 1.0},
+    {"learn_bonus": True},
     {"round_overhead": True},  # the defaults: whether a block pays depends on timing here
 ]
-VARIANT_IDS = ["cost-frequent", "cost-recent", "ladder-frequent", "min-share", "defaults"]
+VARIANT_IDS = [
+    "cost-frequent",
+    "cost-recent",
+    "ladder-frequent",
+    "min-share",
+    "learn-bonus",
+    "defaults",
+]
+SAMPLED = [0, 1, 4]  # the cost sizing's variants: which tokens it proposes, and when
 
 
 @pytest.mark.parametrize("options", VARIANTS, ids=VARIANT_IDS)
@@ -277,7 +286,9 @@ def test_greedy_identity_for_every_option(arch_model, options, governed):
         assert totals["accepted"] > 0
 
 
-@pytest.mark.parametrize("options", VARIANTS[:2], ids=VARIANT_IDS[:2])
+@pytest.mark.parametrize(
+    "options", [VARIANTS[i] for i in SAMPLED], ids=[VARIANT_IDS[i] for i in SAMPLED]
+)
 def test_sampled_distribution_for_the_cost_sizing(options):
     model = make_tiny_model("llama", vocab_size=64, seed=0)
     pol = COPY.with_options("ngram_copy", **options)

@@ -88,6 +88,7 @@ DEFAULTS: Mapping[str, Any] = {
     "min_share": 0.0,
     "vote_floor": 32,
     "round_overhead": True,
+    "learn_bonus": False,
     "decay": 0.95,
     "store": False,
     "store_max_tokens": 200_000,
@@ -158,6 +159,12 @@ class NgramCopyDrafter(BaseDrafter):
             and ``round_overhead_s``); ``False`` prices a block by the verify cost
             curve alone (as 0.3.3 did), where drafting pays more often: for a model
             whose forward is as cheap as the loop's host work (a tiny test model).
+        learn_bonus: when a block is accepted in full, also score the continuation's
+            next token against the round's bonus token (the target's next token), so
+            the acceptance estimates learn the position past the block at no cost
+            (``False``, the default: only the positions proposed; on the default
+            model it saved 2 of 61 forwards on ``extraction`` and measured within
+            noise of ``False``).
         decay: how much older outcomes keep of their weight in the acceptance
             estimates at each new one (1: no decay).
         store: a cross-request store of earlier requests' outputs, looked up when
@@ -194,6 +201,7 @@ class NgramCopyDrafter(BaseDrafter):
         min_share: float = DEFAULTS["min_share"],
         vote_floor: int = DEFAULTS["vote_floor"],
         round_overhead: bool = DEFAULTS["round_overhead"],
+        learn_bonus: bool = DEFAULTS["learn_bonus"],
         decay: float = DEFAULTS["decay"],
         store: bool | str | os.PathLike = DEFAULTS["store"],
         store_max_tokens: int = DEFAULTS["store_max_tokens"],
@@ -218,7 +226,11 @@ class NgramCopyDrafter(BaseDrafter):
             raise specdec.PolicyError(
                 f"{NAME}: option max_edits must be 0, 1 or 2, got {max_edits!r}"
             )
-        for label, value in (("realign", realign), ("round_overhead", round_overhead)):
+        for label, value in (
+            ("realign", realign),
+            ("round_overhead", round_overhead),
+            ("learn_bonus", learn_bonus),
+        ):
             if not isinstance(value, bool):
                 raise specdec.PolicyError(
                     f"{NAME}: option {label} must be true or false, got {value!r}"
@@ -265,6 +277,7 @@ class NgramCopyDrafter(BaseDrafter):
         self.min_share = float(min_share)
         self.vote_floor = vote_floor
         self.round_overhead = round_overhead
+        self.learn_bonus = learn_bonus
         self.decay = float(decay)
         self.source = source
         self.min_n = min_n
@@ -332,6 +345,7 @@ class NgramCopySession(BaseDrafterSession):
         #: every outcome, whichever bucket: the prior of a bucket with few outcomes.
         self.overall = AcceptanceEstimate(max(d.max_block, 1), decay=d.decay)
         self._bucket: int | None = None  # the bucket of the block in flight
+        self._next: int | None = None  # the continuation's token after that block
         self._pending: ShadowScore | None = None  # an unverified proposal being scored
         self._pending_bucket = 0
         self._rebuild([int(t) for t in prompt_tokens], prompt_len=len(prompt_tokens))
@@ -366,6 +380,7 @@ class NgramCopySession(BaseDrafterSession):
             self._start_shadow(len(history), tokens, bucket)
             self.shadow_time_s += time.perf_counter() - t0
             return None
+        self._next = tokens[size] if len(tokens) > size else None
         tokens = tokens[:size]
         self.hits += 1
         if match.skipped:
@@ -406,7 +421,7 @@ class NgramCopySession(BaseDrafterSession):
             self.accepted_tokens += result.n_accepted
             self.rounds_verified += 1
             if self._bucket is not None and result.block:
-                self._learn(self._bucket, len(result.block), result.n_accepted)
+                self._learn(self._bucket, *self._outcome(result))
             if self._bucket == STORE_BUCKET:
                 self.store_accepted_tokens += result.n_accepted
         self._bucket = None
@@ -617,6 +632,25 @@ class NgramCopySession(BaseDrafterSession):
         self._learn(self._pending_bucket, proposed, accepted)
         self.shadow_scored += 1
         self.shadow_accepted += accepted
+
+    def _outcome(self, result: RoundResult) -> tuple[int, int]:
+        """(proposed, accepted) of this drafter's verified block. With ``learn_bonus``,
+        a block accepted in full also scores the continuation's next token against
+        the round's bonus token: the target's own next token, so a longer block
+        would have had that token accepted exactly when they agree (at a temperature,
+        with the chance the target gives it: a one-sample estimate of the same rate).
+        Without it, a run of fully accepted short blocks never shows that longer
+        ones would pay: the positions past them keep their prior."""
+        k, n = len(result.block), result.n_accepted
+        nxt = self._next
+        if (
+            self.drafter.learn_bonus
+            and nxt is not None
+            and n == k
+            and len(result.committed) == k + 1
+        ):
+            return k + 1, k + 1 if result.committed[k] == nxt else k
+        return k, n
 
     def _learn(self, bucket: int, proposed: int, accepted: int) -> None:
         self.estimates[bucket].observe(proposed, accepted)
