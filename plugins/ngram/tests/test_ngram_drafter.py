@@ -375,6 +375,16 @@ def test_a_block_accepted_in_full_scores_the_next_token_against_the_bonus():
     feed_round(s, history, [*d.tokens, 7], block=d.tokens, n_accepted=k, drafter=s.name)
     est = s.estimates[s._bucket_of(s.last_match)]
     assert est.reached[k] > 0 and est.accepted[k] == 0 and est.accepted[k - 1] > 0
+    # A block the core cut short: the bonus follows its last token, not the one the
+    # proposal continued with, so it scores nothing past the block.
+    s = create_ngram_copy(learn_bonus=True).session(cost_ctx(history, flat_curve(per_token=0.05)))
+    d = s.propose(history, 16)
+    k = len(d.tokens) - 1
+    assert k >= 1
+    copy = history[len(history) - 40 : len(history) - 40 + k + 1]
+    feed_round(s, history, copy, block=d.tokens[:k], n_accepted=k, drafter=s.name)
+    est = s.estimates[s._bucket_of(s.last_match)]
+    assert est.reached[k - 1] > 0 and est.reached[k] == 0
     with pytest.raises(specdec.PolicyError, match="learn_bonus must be true or false"):
         create_ngram_copy(learn_bonus=1)
 

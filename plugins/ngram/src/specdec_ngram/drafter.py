@@ -345,7 +345,9 @@ class NgramCopySession(BaseDrafterSession):
         #: every outcome, whichever bucket: the prior of a bucket with few outcomes.
         self.overall = AcceptanceEstimate(max(d.max_block, 1), decay=d.decay)
         self._bucket: int | None = None  # the bucket of the block in flight
-        self._next: int | None = None  # the continuation's token after that block
+        # the block in flight as proposed and the continuation's token after it
+        self._proposed: list[int] = []
+        self._next: int | None = None
         self._pending: ShadowScore | None = None  # an unverified proposal being scored
         self._pending_bucket = 0
         self._rebuild([int(t) for t in prompt_tokens], prompt_len=len(prompt_tokens))
@@ -381,6 +383,7 @@ class NgramCopySession(BaseDrafterSession):
             self.shadow_time_s += time.perf_counter() - t0
             return None
         self._next = tokens[size] if len(tokens) > size else None
+        self._proposed = list(tokens[:size])
         tokens = tokens[:size]
         self.hits += 1
         if match.skipped:
@@ -646,6 +649,7 @@ class NgramCopySession(BaseDrafterSession):
         if (
             self.drafter.learn_bonus
             and nxt is not None
+            and list(result.block) == self._proposed  # not cut short by the core
             and n == k
             and len(result.committed) == k + 1
         ):
