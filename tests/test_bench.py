@@ -678,7 +678,8 @@ def test_cli_table_on_stdout_without_json(capsys, byte_model):
     assert "| prose | 0 |" in out and "code-edit" not in out
     # six tokens decode in well under a second: the table says the ratio is no timing
     assert re.search(r"Too short to time: prose at temp 0 \(\d tokens\)", out)
-    assert "raise --max-tokens" in out or "--seed" not in out  # greedy: no seed advice
+    # cut at --max-tokens: raise it; greedy, so no seed advice
+    assert "raise --max-tokens" in out and "another --seed" not in out
     assert "specdec bench [" not in err  # --no-progress
 
 

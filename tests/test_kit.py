@@ -277,7 +277,9 @@ def test_find_copy_prompt_searches_for_accepted_copies(models):
     own = st.per_drafter["ngram_copy"]
     assert 2 <= own["accepted"] < own["drafted"]
     # none qualifies: every candidate's (drafted, accepted) is named
-    with pytest.raises(AssertionError, match=r"no prompt of 3 gets 99 of ngram_copy's"):
+    with pytest.raises(AssertionError, match=r"no prompt of 3 gets at least 99 of ngram_copy's"):
         find_copy_prompt(m, pol, min_accepted=99, tries=3, drafter="ngram_copy")
+    with pytest.raises(ValueError, match=r"drafter 'ngram' is not in policy 'copy'"):
+        find_copy_prompt(m, pol, drafter="ngram")
     with pytest.raises(AssertionError, match=r"\(drafted, accepted\) \[\(0, 0\), \(0, 0\)\]"):
         find_copy_prompt(m, "none", min_accepted=1, tries=2)

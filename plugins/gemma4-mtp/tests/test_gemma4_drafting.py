@@ -98,7 +98,9 @@ def test_composition_copies_on_a_match_and_uses_the_assistant_otherwise(trained)
     # target's text does not repeat itself, so whether copies hold is luck: the prompt
     # is searched for (a CI run accepted none of ngram_copy's blocks on a fixed one).
     pol = policy(folder, preset="copy-gemma4").with_options("ngram_copy", round_overhead=False)
-    prompt = find_copy_prompt(model, pol, min_accepted=2, tries=32, drafter="ngram_copy")
+    prompt = find_copy_prompt(
+        model, pol, min_accepted=2, max_tokens=30, tries=32, drafter="ngram_copy"
+    )
     check_greedy_identity(model, pol, prompt, max_tokens_list=(4, 30))
     out = specdec.assemble(model, policy=pol).generate(prompt, max_tokens=30)
     per = out.stats.per_drafter
