@@ -207,6 +207,35 @@ def test_fewer_forwards_on_copy_heavy_prompt(arch_model):
     assert "ngram_copy" in s.governor["drafters"]
 
 
+def test_copy_preset_drafts_as_ungoverned_ngram_from_the_first_round():
+    # The copy preset puts no drafter on probation (probation_rounds = 0): ngram_copy
+    # sizes its own blocks, so a governed request opens with the same blocks as the
+    # ngram preset. The governor's own default (2 good rounds at a cap of 4 tokens)
+    # caps the first blocks, which is what the preset turns off.
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    prompt = list(copy_heavy("llama", 64))
+    copy = specdec.load_policy("copy").with_options("ngram_copy", **_TINY["ngram_copy"])
+    ngram = specdec.load_policy("ngram").with_options("ngram_copy", **_TINY["ngram_copy"])
+    assert copy.options_for("copy_governor")["probation_rounds"] == 0
+    governed = specdec.assemble(model, policy=copy).generate(prompt, max_tokens=32)
+    alone = specdec.assemble(model, policy=ngram).generate(prompt, max_tokens=32)
+    assert governed.tokens == alone.tokens == plain_tokens(model, prompt, 32)
+    g, a = governed.stats, alone.stats
+    assert g.accepted > 0 and max(g.block_sizes) > 4
+    assert (g.target_forwards, g.drafted, g.accepted) == (
+        a.target_forwards,
+        a.drafted,
+        a.accepted,
+    )
+    assert g.block_sizes == a.block_sizes
+    assert g.governor["drafters"]["ngram_copy"]["on_probation"] is False
+    on_probation = copy.with_options("copy_governor", probation_rounds=2)
+    capped = specdec.assemble(model, policy=on_probation).generate(prompt, max_tokens=32)
+    assert capped.tokens == alone.tokens
+    assert capped.stats.block_sizes != a.block_sizes
+    assert capped.stats.target_forwards > a.target_forwards
+
+
 def test_max_tokens_exact_with_long_blocks():
     model = make_tiny_model("llama", vocab_size=64, seed=0)
     prompt = copy_heavy("llama", 64)
