@@ -87,6 +87,14 @@ def test_cost_model_profiles_once_then_reads_the_cache(tmp_path, monkeypatch):
     m3.note_context(100)
     assert m3.refresh() is True and m3.curve().contexts[-1] == 100 and len(calls) == 2
     assert m3.source == "refreshed" and m3.stats()["contexts"] == [8, 24, 100]
+    # Another pipeline of the process takes that longer curve instead of measuring its own.
+    m5 = CostModel(model, **opts)
+    m5._curve, m5.source = c1, "disk"  # loaded before m3 refreshed
+    m5.note_context(90)
+    assert m5.refresh() is False and m5.curve() is m3.curve() and len(calls) == 2
+    assert m5.source == "memory" and m5.cost(4, 100) == m3.cost(4, 100)
+    m5.note_context(1000)  # past twice what the shared curve reaches: profiled
+    assert m5.refresh() is True and m5.curve().contexts[-1] == 1000 and len(calls) == 3
     # Another width set is another cache entry.
     assert CostModel(model, **{**opts, "widths": (1, 3)}).path != m1.path
     # A curve cached in format 1 (medians of two forwards) is profiled again.
@@ -95,7 +103,7 @@ def test_cost_model_profiles_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(CostModel, "_memory", {})
     m4 = CostModel(model, **opts)
     m4.curve()
-    assert m4.source == "profiled" and len(calls) == 3
+    assert m4.source == "profiled" and len(calls) == 4
     assert json.loads(m4.path.read_text())["format"] == 2
 
 

@@ -585,6 +585,11 @@ class CostModel:
     def refresh(self) -> bool:
         """Profile a longer context when requests ran past twice the longest profiled one.
 
+        A curve that another pipeline of this process already extended far enough
+        (the same model, verifier and widths) is taken as it is instead: pipelines of
+        one model then price blocks by the same measurements (profiled twice, they
+        differed by the machine's noise, and so did their block sizes).
+
         Returns:
             Whether a longer context was profiled (and cached).
         """
@@ -595,6 +600,10 @@ class CostModel:
         if limit:
             want = min(want, limit - self.widths[-1] - 1)
         if self.source == "given" or want <= 2 * longest or self.failure is not None:
+            return False
+        shared = CostModel._memory.get(self._fingerprint)
+        if shared is not None and want <= 2 * shared.contexts[-1]:
+            self._curve, self.source = shared, "memory"
             return False
         try:
             longer = self._profile((want,))

@@ -25,6 +25,7 @@ def test_defaults_documented_and_applied():
     assert (d.max_edits, d.realign) == (1, True)
     assert (d.sizing, d.continuation, d.min_share, d.decay) == ("cost", "frequent", 0.0, 0.95)
     assert d.vote_floor == 32 and d.round_overhead is True and d.learn_bonus is False
+    assert d.overhead_quantum == 0.25
     assert d.uses_verify_cost
     assert not create_ngram_copy(sizing="ladder").uses_verify_cost
     assert (d.store, d.store_max_tokens) == (None, 200_000)
@@ -36,6 +37,7 @@ def test_defaults_documented_and_applied():
         "min_share",
         "vote_floor",
         "round_overhead",
+        "overhead_quantum",
         "learn_bonus",
         "decay",
         "source",
@@ -304,6 +306,70 @@ def test_what_a_drafted_round_costs_beyond_its_forward_counts_in_the_size():
     assert create_ngram_copy(round_overhead=False).session(ctx).propose(PERIOD * 2, 16)
     with pytest.raises(specdec.PolicyError, match="round_overhead must be true or false"):
         create_ngram_copy(round_overhead="yes")
+
+
+def test_overheads_are_read_in_quarter_steps_that_move_only_past_a_whole_quarter():
+    d = create_ngram_copy()
+    step = 0.1  # seconds of a one-token step
+    assert d.steady_overheads(0.004, 0.093, step) == pytest.approx((0.0, 0.1))
+    # within one quarter step of the multiples in use (either side): unchanged
+    assert d.steady_overheads(0.02, 0.08, step) == pytest.approx((0.0, 0.1))
+    assert d.steady_overheads(-0.02, 0.124, step) == pytest.approx((0.0, 0.1))
+    # more than a quarter step away: the nearest multiple
+    assert d.steady_overheads(0.03, 0.07, step) == pytest.approx((0.025, 0.075))
+    # The multiples are of a step: at a step twice as dear the same seconds are 0.15
+    # and 0.35 steps, within a quarter of 0.25 steps and past one of 0.75 steps.
+    assert d.steady_overheads(0.03, 0.07, 0.2) == pytest.approx((0.05, 0.05))
+    # 0 (or no step cost): the measurements as they are
+    raw = create_ngram_copy(overhead_quantum=0)
+    assert raw.steady_overheads(0.004, 0.093, step) == (0.004, 0.093)
+    assert d.steady_overheads(0.004, 0.093, 0.0) == (0.004, 0.093)
+    for bad in (-0.1, 1.5, True, "0.25"):
+        with pytest.raises(
+            specdec.PolicyError, match=r"overhead_quantum must be a number in \[0, 1\]"
+        ):
+            create_ngram_copy(overhead_quantum=bad)
+
+
+def measured(prompt, per_token, drafted_s):
+    """A request context whose cost model measured rounds of ``ngram_copy`` costing
+    ``drafted_s`` beyond their forward (what another pipeline's timing would give)."""
+    ctx = cost_ctx(prompt, flat_curve(per_token=per_token))
+    width, context = 17, len(prompt)
+    for _ in range(200):
+        seconds = ctx.cost.cost(width, context) + drafted_s
+        ctx.cost.observe_round("drafted", width, context, seconds, "ngram_copy")
+    return ctx
+
+
+def test_timing_noise_within_a_quarter_step_leaves_the_blocks_alone():
+    # Two pipelines (the copy and ngram presets, say) measure a drafted round at 0.53
+    # and 0.58 of a step beyond its forward. Priced as measured, the same match is a
+    # 3-token block on one and no block on the other; read in quarter steps, both
+    # price it at half a step and propose the same block.
+    prompt = PERIOD * 2
+    ctxs = [measured(prompt, 0.1, x) for x in (0.55, 0.6)]
+    assert [c.cost.draft_overhead_s("ngram_copy") for c in ctxs] == [
+        pytest.approx(0.53, abs=0.01),
+        pytest.approx(0.58, abs=0.01),
+    ]
+
+    def sizes(**options):
+        out = []
+        for ctx in ctxs:
+            p = create_ngram_copy(**options).session(ctx).propose(prompt, 16)
+            out.append(0 if p is None else len(p.tokens))
+        return out
+
+    assert sizes(overhead_quantum=0) == [3, 0]
+    assert sizes() == [3, 3]
+    # One pipeline whose measurement drifts from 0.53 to 0.58 keeps its block too,
+    # and its stats say what the sizing used.
+    d = create_ngram_copy()
+    for ctx in ctxs:
+        s = d.session(ctx)
+        assert len(s.propose(prompt, 16).tokens) == 3
+        assert s.stats()["overhead_steps"] == {"round": 0.0, "drafted": 0.5}
 
 
 def test_dear_verify_declines_and_shadow_outcomes_make_it_draft_again():

@@ -88,6 +88,7 @@ DEFAULTS: Mapping[str, Any] = {
     "min_share": 0.0,
     "vote_floor": 32,
     "round_overhead": True,
+    "overhead_quantum": 0.25,
     "learn_bonus": False,
     "decay": 0.95,
     "store": False,
@@ -159,6 +160,13 @@ class NgramCopyDrafter(BaseDrafter):
             and ``round_overhead_s``); ``False`` prices a block by the verify cost
             curve alone (as 0.3.3 did), where drafting pays more often: for a model
             whose forward is as cheap as the loop's host work (a tiny test model).
+        overhead_quantum: with ``round_overhead``, the two overheads enter the sizing
+            in whole multiples of this share of a one-token step, and each moves to
+            another multiple only once its measurement is more than one multiple away
+            from the one in use (hysteresis), so that timing noise of a few
+            milliseconds does not change block sizes: identical drafts get identical
+            blocks from one run, and one policy, to the next. ``0``: the
+            measurements as they are (0.3.6).
         learn_bonus: when a block is accepted in full, also score the continuation's
             next token against the round's bonus token (the target's next token), so
             the acceptance estimates learn the position past the block at no cost
@@ -201,6 +209,7 @@ class NgramCopyDrafter(BaseDrafter):
         min_share: float = DEFAULTS["min_share"],
         vote_floor: int = DEFAULTS["vote_floor"],
         round_overhead: bool = DEFAULTS["round_overhead"],
+        overhead_quantum: float = DEFAULTS["overhead_quantum"],
         learn_bonus: bool = DEFAULTS["learn_bonus"],
         decay: float = DEFAULTS["decay"],
         store: bool | str | os.PathLike = DEFAULTS["store"],
@@ -260,6 +269,15 @@ class NgramCopyDrafter(BaseDrafter):
             raise specdec.PolicyError(
                 f"{NAME}: option store must be true, false or a file path, got {store!r}"
             )
+        if (
+            isinstance(overhead_quantum, bool)
+            or not isinstance(overhead_quantum, (int, float))
+            or not 0.0 <= overhead_quantum <= 1.0
+        ):
+            raise specdec.PolicyError(
+                f"{NAME}: option overhead_quantum must be a number in [0, 1] (a share of a "
+                f"one-token step; 0: the measurements as they are), got {overhead_quantum!r}"
+            )
         if not _is_int(store_max_tokens) or store_max_tokens < 1:
             raise specdec.PolicyError(
                 f"{NAME}: option store_max_tokens must be an integer >= 1, got {store_max_tokens!r}"
@@ -277,6 +295,10 @@ class NgramCopyDrafter(BaseDrafter):
         self.min_share = float(min_share)
         self.vote_floor = vote_floor
         self.round_overhead = round_overhead
+        self.overhead_quantum = float(overhead_quantum)
+        # the overheads in use, in one-token steps (round, drafted): kept by the drafter
+        # (the pipeline's), since the measurements they follow are the pipeline's too
+        self._overhead_steps: list[float | None] = [None, None]
         self.learn_bonus = learn_bonus
         self.decay = float(decay)
         self.source = source
@@ -306,6 +328,27 @@ class NgramCopyDrafter(BaseDrafter):
         benchmark calls it before each prelude request."""
         if self.store is not None:
             self.store.clear()
+
+    def steady_overheads(
+        self, round_s: float, drafted_s: float, step_s: float
+    ) -> tuple[float, float]:
+        """The round and drafted-round overheads (seconds) the sizing uses: with
+        ``overhead_quantum``, whole multiples of that share of ``step_s`` (the verify
+        cost of a one-token step at the current context), each one moved only when
+        its measurement is more than one multiple away from the one in use (to the
+        multiple nearest to it); without it (or without a step cost), as measured."""
+        q = self.overhead_quantum
+        if q <= 0.0 or step_s <= 0.0:
+            return round_s, drafted_s
+        out = []
+        for i, seconds in enumerate((round_s, drafted_s)):
+            x = seconds / step_s
+            level = self._overhead_steps[i]
+            if level is None or abs(x - level) > q:
+                level = round(x / q) * q
+                self._overhead_steps[i] = level
+            out.append(level * step_s)
+        return out[0], out[1]
 
     def block_for(self, match_len: int) -> int:
         """The ladder's block size for a match of ``match_len`` tokens (0 below the first rung)."""
@@ -495,6 +538,10 @@ class NgramCopySession(BaseDrafterSession):
             "index_entries": self.index.entries,
             "resyncs": self.resyncs,
             "block_sizes": dict(sorted(self.sizes.items())),
+            "overhead_steps": {
+                "round": self.drafter._overhead_steps[0],
+                "drafted": self.drafter._overhead_steps[1],
+            },
             "shadow_lookups": self.shadow_lookups,
             "shadow_scored": self.shadow_scored,
             "shadow_accepted": self.shadow_accepted,
@@ -558,7 +605,9 @@ class NgramCopySession(BaseDrafterSession):
             return cost.cost(width, context)
 
         if d.round_overhead:  # what a round, and drafting, cost beyond the forward
-            base, extra = cost.round_overhead_s, cost.draft_overhead_s(self.name)
+            base, extra = d.steady_overheads(
+                cost.round_overhead_s, cost.draft_overhead_s(self.name), verify(1)
+            )
         else:
             base = extra = 0.0
         choice = best_block(
