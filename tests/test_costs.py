@@ -141,6 +141,46 @@ def test_cost_model_with_a_given_curve_never_profiles(tmp_path, monkeypatch):
     assert m.curve() is given and m.refresh() is False and m.cost(8, 1000) == 13.0
 
 
+def test_round_overheads_read_in_quarter_steps_move_only_past_a_whole_quarter():
+    o = specdec.RoundOverhead()
+    extra = {"d": 0.093}
+    o.extra_s = lambda drafter=None: extra.get(drafter, 0.0)
+    step = 0.1  # seconds of a one-token step
+    assert o.steady_steps("d") == {"round": None, "drafted": None}
+    o.baseline_s = 0.004
+    assert o.steady("d", step, 0.25) == pytest.approx((0.0, 0.1))
+    assert o.steady_steps("d") == {"round": 0.0, "drafted": 1.0}
+    # within one quarter step of the multiples in use (either side): unchanged
+    o.baseline_s, extra["d"] = 0.02, 0.08
+    assert o.steady("d", step, 0.25) == pytest.approx((0.0, 0.1))
+    o.baseline_s, extra["d"] = -0.02, 0.124
+    assert o.steady("d", step, 0.25) == pytest.approx((0.0, 0.1))
+    # more than a quarter step away: the nearest multiple
+    o.baseline_s, extra["d"] = 0.03, 0.07
+    assert o.steady("d", step, 0.25) == pytest.approx((0.025, 0.075))
+    # The multiples are of a step: at a step twice as dear the same seconds are 0.15
+    # and 0.35 steps, within a quarter of 0.25 steps and past one of 0.75 steps.
+    assert o.steady("d", 0.2, 0.25) == pytest.approx((0.05, 0.05))
+    # Each drafter has its own multiples; 0 (or no step cost): the estimates as they are.
+    assert o.steady("e", step, 0.25) == pytest.approx((0.025, 0.0))
+    assert o.steady("d", step, 0.0) == (0.03, 0.07)
+    assert o.steady("d", 0.0, 0.25) == (0.03, 0.07)
+
+
+def test_pipelines_of_one_model_share_one_round_overhead(monkeypatch):
+    monkeypatch.setattr(CostModel, "_overheads", {})
+    model = make_tiny_model("llama")
+    a, b = CostModel(model, persist=False), CostModel(model, persist=False)
+    assert a.overhead is b.overhead
+    assert CostModel(model, widths=(1, 2), persist=False).overhead is not a.overhead
+    assert CostModel(make_tiny_model("qwen3"), persist=False).overhead is not a.overhead
+    given = curve([(1.0, 2.0, 4.0, 8.0), (2.0, 3.0, 5.0, 13.0)])
+    c, d = CostModel(None, curve=given), CostModel(None, curve=given)
+    assert c.overhead is not d.overhead  # a given curve: its own, as tests want
+    c.observe_round("drafted", 8, 10, 8.5, "x")
+    assert c.draft_overhead_s("x") > 0 and d.draft_overhead_s("x") == 0.0
+
+
 # -- choosing a block --------------------------------------------------------------
 
 

@@ -406,6 +406,8 @@ class RoundOverhead:
         self._drafted: dict[str, float] = {}
         #: rounds observed, by kind.
         self.rounds = dict.fromkeys(self.KINDS, 0)
+        # per drafter: the (baseline, extra) multiples of a step :meth:`steady` uses
+        self._steady: dict[str, list[float | None]] = {}
 
     def observe(
         self, kind: str, excess_s: float, step_s: float, drafter: str | None = None
@@ -450,6 +452,37 @@ class RoundOverhead:
         excess = self._sum.get(name, 0.0) - self.baseline_s * self._n.get(name, 0.0)
         return max(0.0, (excess + self.prior_s * w) / (self._drafted.get(name, 0.0) + w))
 
+    def steady(self, drafter: str | None, step_s: float, quantum: float) -> tuple[float, float]:
+        """:attr:`baseline_s` and :meth:`extra_s` (seconds) read in whole multiples of
+        ``quantum`` one-token steps (``step_s``: the verify cost of one at the current
+        context), each moved to the nearest multiple only once the estimate is more
+        than one multiple away from the one in use (hysteresis; kept per drafter).
+
+        Timing noise of a few milliseconds then changes no block size: every
+        pipeline of one model that reads the same (shared) estimate, and every run,
+        prices identical drafts alike. ``quantum <= 0`` (or ``step_s <= 0``): the
+        estimates as they are.
+        """
+        base, extra = self.baseline_s, self.extra_s(drafter)
+        if quantum <= 0.0 or step_s <= 0.0:
+            return base, extra
+        levels = self._steady.setdefault(drafter or "", [None, None])
+        out = []
+        for i, seconds in enumerate((base, extra)):
+            x = seconds / step_s
+            level = levels[i]
+            if level is None or abs(x - level) > quantum:
+                level = round(x / quantum) * quantum
+                levels[i] = level
+            out.append(level * step_s)
+        return out[0], out[1]
+
+    def steady_steps(self, drafter: str | None = None) -> dict:
+        """The multiples :meth:`steady` last used for ``drafter``, in one-token steps:
+        ``{"round": ..., "drafted": ...}`` (``None`` before its first call)."""
+        levels = self._steady.get(drafter or "", [None, None])
+        return {"round": levels[0], "drafted": levels[1]}
+
     def to_dict(self) -> dict:
         """The baseline and each drafter's extra in milliseconds, and the rounds seen
         by kind."""
@@ -480,6 +513,8 @@ class CostModel:
 
     #: curves by key, shared by the pipelines of one process.
     _memory: dict[str, VerifyCostCurve] = {}
+    #: round overheads by key, shared by the pipelines of one process (see ``overhead``).
+    _overheads: dict[str, RoundOverhead] = {}
 
     def __init__(
         self,
@@ -515,9 +550,16 @@ class CostModel:
         self.longest_context = 0
         self.key = model_fingerprint(model, verifier) if curve is None else curve.key
         self._fingerprint = f"{self.key}-{'-'.join(map(str, self.widths))}"
-        #: what a drafted round costs beyond its forward, learnt from this pipeline's
-        #: rounds (:meth:`observe_round`); kept in memory only (it follows the load).
-        self.overhead = RoundOverhead()
+        #: what a drafted round costs beyond its forward, learnt from the rounds
+        #: (:meth:`observe_round`) of every pipeline of this process that measures the
+        #: same model, verifier and widths (one machine, one loop: the pipelines of a
+        #: bench, say, then size blocks from one estimate), or of this one alone when
+        #: ``curve`` was given; kept in memory only (it follows the load).
+        self.overhead = (
+            RoundOverhead()
+            if curve is not None
+            else CostModel._overheads.setdefault(self._fingerprint, RoundOverhead())
+        )
 
     @property
     def path(self) -> Path:
@@ -576,6 +618,15 @@ class CostModel:
         (:meth:`RoundOverhead.extra_s`): what :func:`best_block`'s ``draft_cost`` adds
         to a block of any size."""
         return self.overhead.extra_s(drafter)
+
+    def steady_overheads(
+        self, drafter: str | None, context: int, quantum: float
+    ) -> tuple[float, float]:
+        """:attr:`round_overhead_s` and :meth:`draft_overhead_s` read in whole multiples
+        of ``quantum`` one-token steps at ``context``, with hysteresis
+        (:meth:`RoundOverhead.steady`): what a drafter that wants identical drafts
+        priced alike from run to run passes :func:`best_block`."""
+        return self.overhead.steady(drafter, self.cost(1, context), quantum)
 
     def note_context(self, context: int) -> None:
         """Record a context length reached by a request (see :meth:`refresh`)."""

@@ -308,22 +308,8 @@ def test_what_a_drafted_round_costs_beyond_its_forward_counts_in_the_size():
         create_ngram_copy(round_overhead="yes")
 
 
-def test_overheads_are_read_in_quarter_steps_that_move_only_past_a_whole_quarter():
-    d = create_ngram_copy()
-    step = 0.1  # seconds of a one-token step
-    assert d.steady_overheads(0.004, 0.093, step) == pytest.approx((0.0, 0.1))
-    # within one quarter step of the multiples in use (either side): unchanged
-    assert d.steady_overheads(0.02, 0.08, step) == pytest.approx((0.0, 0.1))
-    assert d.steady_overheads(-0.02, 0.124, step) == pytest.approx((0.0, 0.1))
-    # more than a quarter step away: the nearest multiple
-    assert d.steady_overheads(0.03, 0.07, step) == pytest.approx((0.025, 0.075))
-    # The multiples are of a step: at a step twice as dear the same seconds are 0.15
-    # and 0.35 steps, within a quarter of 0.25 steps and past one of 0.75 steps.
-    assert d.steady_overheads(0.03, 0.07, 0.2) == pytest.approx((0.05, 0.05))
-    # 0 (or no step cost): the measurements as they are
-    raw = create_ngram_copy(overhead_quantum=0)
-    assert raw.steady_overheads(0.004, 0.093, step) == (0.004, 0.093)
-    assert d.steady_overheads(0.004, 0.093, 0.0) == (0.004, 0.093)
+def test_overhead_quantum_is_a_share_of_a_step():
+    assert create_ngram_copy(overhead_quantum=0).overhead_quantum == 0.0
     for bad in (-0.1, 1.5, True, "0.25"):
         with pytest.raises(
             specdec.PolicyError, match=r"overhead_quantum must be a number in \[0, 1\]"
@@ -331,10 +317,11 @@ def test_overheads_are_read_in_quarter_steps_that_move_only_past_a_whole_quarter
             create_ngram_copy(overhead_quantum=bad)
 
 
-def measured(prompt, per_token, drafted_s):
+def measured(prompt, per_token, drafted_s, ctx=None):
     """A request context whose cost model measured rounds of ``ngram_copy`` costing
-    ``drafted_s`` beyond their forward (what another pipeline's timing would give)."""
-    ctx = cost_ctx(prompt, flat_curve(per_token=per_token))
+    ``drafted_s`` beyond their forward (what another pipeline's timing would give);
+    ``ctx``: measure on in that one's."""
+    ctx = ctx or cost_ctx(prompt, flat_curve(per_token=per_token))
     width, context = 17, len(prompt)
     for _ in range(200):
         seconds = ctx.cost.cost(width, context) + drafted_s
@@ -348,28 +335,36 @@ def test_timing_noise_within_a_quarter_step_leaves_the_blocks_alone():
     # 3-token block on one and no block on the other; read in quarter steps, both
     # price it at half a step and propose the same block.
     prompt = PERIOD * 2
-    ctxs = [measured(prompt, 0.1, x) for x in (0.55, 0.6)]
-    assert [c.cost.draft_overhead_s("ngram_copy") for c in ctxs] == [
-        pytest.approx(0.53, abs=0.01),
-        pytest.approx(0.58, abs=0.01),
-    ]
 
-    def sizes(**options):
+    def sizes(ctxs, **options):
         out = []
         for ctx in ctxs:
             p = create_ngram_copy(**options).session(ctx).propose(prompt, 16)
             out.append(0 if p is None else len(p.tokens))
         return out
 
-    assert sizes(overhead_quantum=0) == [3, 0]
-    assert sizes() == [3, 3]
-    # One pipeline whose measurement drifts from 0.53 to 0.58 keeps its block too,
-    # and its stats say what the sizing used.
+    ctxs = [measured(prompt, 0.1, x) for x in (0.55, 0.6)]
+    assert [c.cost.draft_overhead_s("ngram_copy") for c in ctxs] == [
+        pytest.approx(0.53, abs=0.01),
+        pytest.approx(0.58, abs=0.01),
+    ]
+    assert sizes(ctxs, overhead_quantum=0) == [3, 0]
+    assert sizes([measured(prompt, 0.1, x) for x in (0.55, 0.6)]) == [3, 3]
+    # One pipeline whose measurement drifts from 0.53 to 0.58 keeps its block, and
+    # the stats say what the sizing used.
+    ctx = measured(prompt, 0.1, 0.55)
     d = create_ngram_copy()
-    for ctx in ctxs:
-        s = d.session(ctx)
-        assert len(s.propose(prompt, 16).tokens) == 3
-        assert s.stats()["overhead_steps"] == {"round": 0.0, "drafted": 0.5}
+    s = d.session(ctx)
+    assert len(s.propose(prompt, 16).tokens) == 3
+    measured(prompt, 0.1, 0.6, ctx)
+    assert ctx.cost.draft_overhead_s("ngram_copy") == pytest.approx(0.58, abs=0.01)
+    s = d.session(ctx)
+    assert len(s.propose(prompt, 16).tokens) == 3
+    assert s.stats()["overhead_steps"] == {"round": 0.0, "drafted": 0.5}
+    # Past a whole quarter from it (0.83 steps), the estimate moves to its nearest.
+    measured(prompt, 0.1, 0.86, ctx)
+    assert d.session(ctx).propose(prompt, 16) is None
+    assert ctx.cost.overhead.steady_steps("ngram_copy")["drafted"] == 0.75
 
 
 def test_dear_verify_declines_and_shadow_outcomes_make_it_draft_again():

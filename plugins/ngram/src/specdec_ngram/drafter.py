@@ -296,9 +296,6 @@ class NgramCopyDrafter(BaseDrafter):
         self.vote_floor = vote_floor
         self.round_overhead = round_overhead
         self.overhead_quantum = float(overhead_quantum)
-        # the overheads in use, in one-token steps (round, drafted): kept by the drafter
-        # (the pipeline's), since the measurements they follow are the pipeline's too
-        self._overhead_steps: list[float | None] = [None, None]
         self.learn_bonus = learn_bonus
         self.decay = float(decay)
         self.source = source
@@ -328,27 +325,6 @@ class NgramCopyDrafter(BaseDrafter):
         benchmark calls it before each prelude request."""
         if self.store is not None:
             self.store.clear()
-
-    def steady_overheads(
-        self, round_s: float, drafted_s: float, step_s: float
-    ) -> tuple[float, float]:
-        """The round and drafted-round overheads (seconds) the sizing uses: with
-        ``overhead_quantum``, whole multiples of that share of ``step_s`` (the verify
-        cost of a one-token step at the current context), each one moved only when
-        its measurement is more than one multiple away from the one in use (to the
-        multiple nearest to it); without it (or without a step cost), as measured."""
-        q = self.overhead_quantum
-        if q <= 0.0 or step_s <= 0.0:
-            return round_s, drafted_s
-        out = []
-        for i, seconds in enumerate((round_s, drafted_s)):
-            x = seconds / step_s
-            level = self._overhead_steps[i]
-            if level is None or abs(x - level) > q:
-                level = round(x / q) * q
-                self._overhead_steps[i] = level
-            out.append(level * step_s)
-        return out[0], out[1]
 
     def block_for(self, match_len: int) -> int:
         """The ladder's block size for a match of ``match_len`` tokens (0 below the first rung)."""
@@ -538,10 +514,9 @@ class NgramCopySession(BaseDrafterSession):
             "index_entries": self.index.entries,
             "resyncs": self.resyncs,
             "block_sizes": dict(sorted(self.sizes.items())),
-            "overhead_steps": {
-                "round": self.drafter._overhead_steps[0],
-                "drafted": self.drafter._overhead_steps[1],
-            },
+            "overhead_steps": (
+                None if self.cost is None else self.cost.overhead.steady_steps(self.name)
+            ),
             "shadow_lookups": self.shadow_lookups,
             "shadow_scored": self.shadow_scored,
             "shadow_accepted": self.shadow_accepted,
@@ -605,9 +580,7 @@ class NgramCopySession(BaseDrafterSession):
             return cost.cost(width, context)
 
         if d.round_overhead:  # what a round, and drafting, cost beyond the forward
-            base, extra = d.steady_overheads(
-                cost.round_overhead_s, cost.draft_overhead_s(self.name), verify(1)
-            )
+            base, extra = cost.steady_overheads(self.name, context, d.overhead_quantum)
         else:
             base = extra = 0.0
         choice = best_block(
