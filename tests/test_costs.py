@@ -167,18 +167,21 @@ def test_round_overheads_read_in_quarter_steps_move_only_past_a_whole_quarter():
     assert o.steady("d", 0.0, 0.25) == (0.03, 0.07)
 
 
-def test_pipelines_of_one_model_share_one_round_overhead(monkeypatch):
-    monkeypatch.setattr(CostModel, "_overheads", {})
+def test_the_pipelines_of_a_bench_share_one_round_overhead():
+    from types import SimpleNamespace
+
+    from specdec.bench.runner import share_round_overhead
+
     model = make_tiny_model("llama")
-    a, b = CostModel(model, persist=False), CostModel(model, persist=False)
-    assert a.overhead is b.overhead
-    assert CostModel(model, widths=(1, 2), persist=False).overhead is not a.overhead
-    assert CostModel(make_tiny_model("qwen3"), persist=False).overhead is not a.overhead
-    given = curve([(1.0, 2.0, 4.0, 8.0), (2.0, 3.0, 5.0, 13.0)])
-    c, d = CostModel(None, curve=given), CostModel(None, curve=given)
-    assert c.overhead is not d.overhead  # a given curve: its own, as tests want
-    c.observe_round("drafted", 8, 10, 8.5, "x")
-    assert c.draft_overhead_s("x") > 0 and d.draft_overhead_s("x") == 0.0
+    a, b, c, d = (CostModel(model, persist=False) for _ in range(4))
+    other = CostModel(model, widths=(1, 2), persist=False)  # another curve: its own
+    pipes = [SimpleNamespace(cost_model=m) for m in (a, b, None, other, c)]
+    assert a.overhead is not b.overhead
+    assert share_round_overhead(pipes) == 2
+    assert b.overhead is a.overhead and c.overhead is a.overhead
+    assert other.overhead is not a.overhead and d.overhead is not a.overhead
+    b.overhead.observe("drafted", 0.5, 1.0, "x")  # learnt by b: read by a and c too
+    assert a.overhead.rounds["drafted"] == c.overhead.rounds["drafted"] == 1
 
 
 # -- choosing a block --------------------------------------------------------------

@@ -458,9 +458,9 @@ class RoundOverhead:
         context), each moved to the nearest multiple only once the estimate is more
         than one multiple away from the one in use (hysteresis; kept per drafter).
 
-        Timing noise of a few milliseconds then changes no block size: every
-        pipeline of one model that reads the same (shared) estimate, and every run,
-        prices identical drafts alike. ``quantum <= 0`` (or ``step_s <= 0``): the
+        Timing noise of a few milliseconds then changes no block size: every run,
+        and every pipeline that reads the same (shared) estimate, prices identical
+        drafts alike. ``quantum <= 0`` (or ``step_s <= 0``): the
         estimates as they are.
         """
         base, extra = self.baseline_s, self.extra_s(drafter)
@@ -513,8 +513,6 @@ class CostModel:
 
     #: curves by key, shared by the pipelines of one process.
     _memory: dict[str, VerifyCostCurve] = {}
-    #: round overheads by key, shared by the pipelines of one process (see ``overhead``).
-    _overheads: dict[str, RoundOverhead] = {}
 
     def __init__(
         self,
@@ -550,16 +548,10 @@ class CostModel:
         self.longest_context = 0
         self.key = model_fingerprint(model, verifier) if curve is None else curve.key
         self._fingerprint = f"{self.key}-{'-'.join(map(str, self.widths))}"
-        #: what a drafted round costs beyond its forward, learnt from the rounds
-        #: (:meth:`observe_round`) of every pipeline of this process that measures the
-        #: same model, verifier and widths (one machine, one loop: the pipelines of a
-        #: bench, say, then size blocks from one estimate), or of this one alone when
-        #: ``curve`` was given; kept in memory only (it follows the load).
-        self.overhead = (
-            RoundOverhead()
-            if curve is not None
-            else CostModel._overheads.setdefault(self._fingerprint, RoundOverhead())
-        )
+        #: what a drafted round costs beyond its forward, learnt from this pipeline's
+        #: rounds (:meth:`observe_round`); kept in memory only (it follows the load).
+        #: Pipelines compared side by side may share one (``specdec bench`` does).
+        self.overhead = RoundOverhead()
 
     @property
     def path(self) -> Path:

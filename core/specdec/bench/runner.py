@@ -451,6 +451,32 @@ def _run_pipeline(
     )
 
 
+def share_round_overhead(pipes: Sequence[Pipeline]) -> int:
+    """Give the pipelines measured side by side one round-overhead estimate
+    (:attr:`specdec.CostModel.overhead`) where they price blocks by the same curve
+    (the same model, verifier and widths).
+
+    Each would otherwise learn its own from its own rounds' timings, and two
+    policies that draft the same tokens (``copy`` and ``ngram``) could size their
+    blocks differently from noise alone; sharing it, with the drafters reading it
+    in whole quarters of a step (:meth:`specdec.CostModel.steady_overheads`), they
+    price identical drafts alike. Returns how many pipelines now share another's.
+    """
+    first: dict[tuple, Any] = {}
+    shared = 0
+    for pipe in pipes:
+        cm = getattr(pipe, "cost_model", None)
+        if cm is None:
+            continue
+        key = (cm.key, cm.widths)
+        if key in first:
+            cm.overhead = first[key].overhead
+            shared += 1
+        else:
+            first[key] = cm
+    return shared
+
+
 def _run_mlx_lm(
     model: Any,
     tokenizer: Any,
@@ -656,6 +682,7 @@ def run_bench(
         raise RequestError(f"the measured policies need different names, got {names}")
     off_pipe = assemble(model, tokenizer, "none")
     on_pipes = [assemble(model, tokenizer, p) for p in pols]
+    share_round_overhead(on_pipes)
     for pipe in on_pipes:
         pipe.prepare()  # profile the verify cost curve (once per model and device) before timing
     on_kinds = ["on"] if len(pols) == 1 else [f"on:{n}" for n in names]
