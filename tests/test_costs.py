@@ -235,6 +235,23 @@ def test_acceptance_estimate_counts_reached_and_accepted_positions():
         specdec.AcceptanceEstimate(4, decay=0.0)
 
 
+def test_acceptance_estimate_learns_an_outcome_in_parts():
+    # A proposal scored as the target commits: 3 tokens matched after one round,
+    # then the 5th differed. Learnt in two parts, it is one outcome of 4 accepted.
+    whole = specdec.AcceptanceEstimate(6, decay=0.5)
+    parts = specdec.AcceptanceEstimate(6, decay=0.5)
+    for e in (whole, parts):
+        e.observe(6, 6)  # an earlier outcome, so the decay shows
+    whole.observe(6, 4)
+    parts.observe(3, 3)
+    parts.observe(6, 4, start=3)
+    assert parts.reached == whole.reached and parts.accepted == whole.accepted
+    assert parts.outcomes == whole.outcomes == 2
+    assert parts.reached[4] == pytest.approx(1.5) and parts.accepted[4] == pytest.approx(0.5)
+    parts.observe(3, 3, start=3)  # nothing after the start: nothing learnt
+    assert parts.reached == whole.reached
+
+
 def test_round_overhead_learns_what_a_drafted_round_costs_beyond_its_forward():
     o = specdec.RoundOverhead(prior_s=0.5, prior_rounds=1.0, decay=1.0, alpha=0.5)
     assert o.extra_s("ngram_copy") == 0.5 and o.baseline_s == 0.0  # the prior

@@ -823,21 +823,31 @@ class AcceptanceEstimate:
         self.accepted = [0.0] * max_positions
         self.outcomes = 0
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        """Learn that ``accepted`` of a ``proposed``-token block were accepted."""
+    def observe(self, proposed: int, accepted: int, *, start: int = 0) -> None:
+        """Learn that ``accepted`` of a ``proposed``-token block were accepted.
+
+        An outcome that becomes known token by token (a proposal scored against
+        the tokens committed round after round) can be learnt as it unfolds:
+        ``observe(m, m)`` once its first ``m`` tokens matched, then
+        ``observe(p, a, start=m)`` for the positions after ``m`` (``start > 0``
+        counts only positions ``start + 1`` on, and neither decays the counts nor
+        counts another outcome). The sum of the parts is the whole outcome.
+        """
         proposed = min(int(proposed), self.max_positions)
-        if proposed <= 0:
+        start = max(0, int(start))
+        if proposed <= start:
             return
         accepted = max(0, min(int(accepted), proposed))
-        d = self.decay
-        if d < 1.0:
-            self.reached = [x * d for x in self.reached]
-            self.accepted = [x * d for x in self.accepted]
-        for i in range(min(accepted + 1, proposed)):
+        if start == 0:
+            d = self.decay
+            if d < 1.0:
+                self.reached = [x * d for x in self.reached]
+                self.accepted = [x * d for x in self.accepted]
+            self.outcomes += 1
+        for i in range(start, min(accepted + 1, proposed)):
             self.reached[i] += 1.0
             if i < accepted:
                 self.accepted[i] += 1.0
-        self.outcomes += 1
 
     def pooled(self) -> float:
         """The acceptance rate over every position reached."""

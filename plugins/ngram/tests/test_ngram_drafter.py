@@ -25,6 +25,7 @@ def test_defaults_documented_and_applied():
     assert (d.max_edits, d.realign) == (1, True)
     assert (d.sizing, d.continuation, d.min_share, d.decay) == ("cost", "frequent", 0.0, 0.95)
     assert d.vote_floor == 32 and d.round_overhead is True and d.learn_bonus is False
+    assert d.learn == "block"
     assert d.overhead_quantum == 0.25
     assert d.uses_verify_cost
     assert not create_ngram_copy(sizing="ladder").uses_verify_cost
@@ -38,6 +39,7 @@ def test_defaults_documented_and_applied():
         "vote_floor",
         "round_overhead",
         "overhead_quantum",
+        "learn",
         "learn_bonus",
         "decay",
         "source",
@@ -367,12 +369,14 @@ def test_timing_noise_within_a_quarter_step_leaves_the_blocks_alone():
     assert ctx.cost.overhead.steady_steps("ngram_copy")["drafted"] == 0.75
 
 
-def test_dear_verify_declines_and_shadow_outcomes_make_it_draft_again():
+@pytest.mark.parametrize("learn", ["continuation", "block"])
+def test_dear_verify_declines_and_shadow_outcomes_make_it_draft_again(learn):
     # Every extra token costs as much as a step: only near-certain tokens pay.
-    s = create_ngram_copy().session(cost_ctx(PERIOD * 2, flat_curve(per_token=0.6)))
+    s = create_ngram_copy(learn=learn).session(cost_ctx(PERIOD * 2, flat_curve(per_token=0.6)))
     history = PERIOD * 2
     assert s.propose(history, 16) is None
-    assert s.stats()["declined"] == 1 and s._pending is not None
+    assert s.stats()["declined"] == 1
+    assert (s._pending is not None) if learn == "block" else (len(s._tails) == 1)
     proposed = None
     for i in range(40):  # plain steps that follow the copy: the shadow outcomes match
         tok = PERIOD[i % len(PERIOD)]
@@ -387,7 +391,11 @@ def test_dear_verify_declines_and_shadow_outcomes_make_it_draft_again():
 
 
 def test_verified_outcomes_shape_the_estimates():
-    s = create_ngram_copy().session(cost_ctx(PERIOD * 3, flat_curve(per_token=0.05)))
+    # learn = "block": the rounds below report each block rejected at its first token
+    # yet commit the copy's own token (no target would), which only the verified
+    # outcome says; "continuation" learns from the committed tokens and would see
+    # every position accepted.
+    s = create_ngram_copy(learn="block").session(cost_ctx(PERIOD * 3, flat_curve(per_token=0.05)))
     history = PERIOD * 3
     sizes = []
     for i in range(12):  # every block is rejected at its first token
@@ -424,13 +432,15 @@ def test_a_block_accepted_in_full_scores_the_next_token_against_the_bonus():
             scored.append(est.reached[k] if k < est.max_positions else None)
         return sizes, scored
 
-    (k1, k2), (scored, _) = first_two(learn_bonus=True)
-    (b1, b2), (unscored, _) = first_two()  # the default: off
+    (k1, k2), (scored, _) = first_two(learn="block", learn_bonus=True)
+    (b1, b2), (unscored, _) = first_two(learn="block")  # learn_bonus's default: off
     assert k1 == b1 and scored > 0 and unscored == 0  # position k + 1 scored, or not
     assert k2 > b2, (k2, b2)
     # A bonus that disagrees with the continuation: position k + 1 was rejected.
     history = list(range(100, 140)) * 2
-    s = create_ngram_copy(learn_bonus=True).session(cost_ctx(history, flat_curve(per_token=0.3)))
+    s = create_ngram_copy(learn="block", learn_bonus=True).session(
+        cost_ctx(history, flat_curve(per_token=0.3))
+    )
     d = s.propose(history, 16)
     k = len(d.tokens)
     feed_round(s, history, [*d.tokens, 7], block=d.tokens, n_accepted=k, drafter=s.name)
@@ -438,7 +448,9 @@ def test_a_block_accepted_in_full_scores_the_next_token_against_the_bonus():
     assert est.reached[k] > 0 and est.accepted[k] == 0 and est.accepted[k - 1] > 0
     # A block the core cut short: the bonus follows its last token, not the one the
     # proposal continued with, so it scores nothing past the block.
-    s = create_ngram_copy(learn_bonus=True).session(cost_ctx(history, flat_curve(per_token=0.05)))
+    s = create_ngram_copy(learn="block", learn_bonus=True).session(
+        cost_ctx(history, flat_curve(per_token=0.05))
+    )
     d = s.propose(history, 16)
     k = len(d.tokens) - 1
     assert k >= 1
@@ -448,6 +460,91 @@ def test_a_block_accepted_in_full_scores_the_next_token_against_the_bonus():
     assert est.reached[k - 1] > 0 and est.reached[k] == 0
     with pytest.raises(specdec.PolicyError, match="learn_bonus must be true or false"):
         create_ngram_copy(learn_bonus=1)
+
+
+def test_continuations_are_learnt_past_the_block_as_the_target_commits():
+    # A copy that goes on for 40 tokens, proposed in short blocks (a dear verify): with
+    # learn = "continuation" each block's whole continuation is scored against the
+    # tokens committed in the rounds after it, so the positions past the block are
+    # learnt (and the blocks grow); with "block" they keep their prior.
+    def run(learn, rounds):
+        history = list(range(100, 140)) * 2
+        s = create_ngram_copy(learn=learn).session(cost_ctx(history, flat_curve(per_token=0.3)))
+        sizes = []
+        for _ in range(rounds):
+            d = s.propose(history, 16)
+            k = len(d.tokens)
+            copy = history[len(history) - 40 : len(history) - 40 + k + 1]  # it goes on
+            history = feed_round(s, history, copy, block=d.tokens, n_accepted=k, drafter=s.name)
+            sizes.append(k)
+        return s, sizes
+
+    # After one round: the block's bonus token scored position k + 1, or not.
+    tail, (k,) = run("continuation", rounds=1)
+    block, (b,) = run("block", rounds=1)
+    assert k == b and k < 16
+    est = tail.estimates[tail._bucket_of(tail.last_match)]
+    assert est.reached[k] > 0 and est.accepted[k] == est.reached[k]  # past the block
+    assert block.estimates[block._bucket_of(block.last_match)].reached[k] == 0
+    # After two: the first continuation's further positions too; the blocks grow faster.
+    tail, tail_sizes = run("continuation", rounds=3)
+    block, block_sizes = run("block", rounds=3)
+    est = tail.estimates[tail._bucket_of(tail.last_match)]
+    assert est.reached[tail_sizes[0] + 2] > 0
+    assert tail_sizes[1] > block_sizes[1], (tail_sizes, block_sizes)
+    st = tail.stats()
+    assert st["learn"] == "continuation" and st["continuations_scored"] >= 1
+    assert st["scoring"] == len(tail._tails)
+
+
+def test_a_continuation_learns_each_position_once_and_resolves_at_a_mismatch():
+    history = list(range(100, 140)) * 2
+    s = create_ngram_copy(max_block=8, learn="continuation").session(
+        cost_ctx(history, flat_curve(per_token=0.3))
+    )
+    d = s.propose(history, 8)
+    k = len(d.tokens)
+    assert 1 <= k < 8
+    bucket = s._bucket_of(s.last_match)
+    est = s.estimates[bucket]
+    before = est.outcomes
+    src = history[len(history) - 40 :]
+    # The block is accepted in full with its bonus, then plain steps follow the copy
+    # for two tokens and leave it.
+    history = feed_round(s, history, src[: k + 1], block=d.tokens, n_accepted=k, drafter=s.name)
+    assert est.outcomes == before + 1 and est.accepted[k] > 0  # the bonus: position k + 1
+    history = feed_round(s, history, src[k + 1 : k + 2])
+    history = feed_round(s, history, [7])  # not what the continuation holds
+    assert all(t.score.start_position != len(history) - k - 3 for t in s._tails)
+    reached, accepted = list(est.reached), list(est.accepted)
+    assert est.outcomes == before + 1  # one outcome, learnt in parts
+    # positions 1 .. k + 2 accepted, k + 3 rejected (decayed by the outcomes after it)
+    assert accepted[k + 2] == 0 and reached[k + 2] > 0 and accepted[k + 1] > 0
+
+
+def test_a_block_rejected_inside_is_learnt_at_once_and_the_scoring_is_bounded():
+    history = PERIOD * 3
+    s = create_ngram_copy(learn="continuation").session(
+        cost_ctx(history, flat_curve(per_token=0.05))
+    )
+    d = s.propose(history, 16)
+    k = len(d.tokens)
+    assert k > 2
+    feed_round(s, history, [*d.tokens[:1], 7], block=d.tokens, n_accepted=1, drafter=s.name)
+    assert not s._tails  # resolved: position 2 was rejected
+    est = s.estimates[s._bucket_of(s.last_match)]
+    assert est.reached[1] > 0 and est.accepted[1] == 0 and est.reached[2] == 0
+    # Declined lookups that are never resolved (one-token rounds that keep matching
+    # a long continuation) are scored at most MAX_TAILS at a time.
+    from specdec_ngram.drafter import MAX_TAILS
+
+    for i in range(MAX_TAILS + 8):
+        s._track(10_000 + i, list(range(16)), 0, shadow=True)
+    assert len(s._tails) == MAX_TAILS
+    with pytest.raises(
+        specdec.PolicyError, match=r"learn must be one of \['continuation', 'block'\]"
+    ):
+        create_ngram_copy(learn="tail")
 
 
 def test_a_long_match_is_never_priced_below_a_shorter_one():

@@ -286,6 +286,7 @@ VARIANTS = [
     {"sizing": "ladder", "continuation": "frequent"},
     {"sizing": "cost", "continuation": "frequent", "min_share": 0.6, "decay": 1.0},
     {"learn_bonus": True},
+    {"learn": "continuation"},
     {"round_overhead": True},  # the defaults: whether a block pays depends on timing here
 ]
 VARIANT_IDS = [
@@ -294,9 +295,10 @@ VARIANT_IDS = [
     "ladder-frequent",
     "min-share",
     "learn-bonus",
+    "learn-continuation",
     "defaults",
 ]
-SAMPLED = [0, 1, 4]  # the cost sizing's variants: which tokens it proposes, and when
+SAMPLED = [0, 1, 4, 5]  # the cost sizing's variants: which tokens it proposes, and when
 
 
 @pytest.mark.parametrize("options", VARIANTS, ids=VARIANT_IDS)
