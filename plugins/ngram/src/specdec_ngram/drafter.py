@@ -176,23 +176,24 @@ class NgramCopyDrafter(BaseDrafter):
         learn: what the acceptance estimates learn from. ``"block"`` (the default):
             only the positions verified (as 0.3.7), plus the bonus token with
             ``learn_bonus``; unverified proposals are scored up to their first two
-            tokens. ``"continuation"``: every continuation the drafter looked up (proposed, declined
-            or shadowed) is scored in full against the tokens the target commits,
-            round after round, and each of its positions is learnt as soon as it is
-            known, so positions past a short block that was accepted in full are
-            learnt too (without it they keep their prior, and short blocks that
-            are always accepted never show that longer ones would pay). Replayed
-            on the default model's answers it saved forwards (code-edit 67 to 58
-            of 400 tokens) but not time on this CPU, where a wide verify costs
-            several steps (where wide verifies are cheap it gained about 1%); a
-            3-round bench of code-edit measured it 12% faster at temperature 0.
-            Off by default until a full bench settles it (see the README).
-        learn_bonus: with ``learn = "block"``, when a block is accepted in full, also score the continuation's
-            next token against the round's bonus token (the target's next token), so
-            the acceptance estimates learn the position past the block at no cost
-            (``False``, the default: only the positions proposed; on the default
-            model it saved 2 of 61 forwards on ``extraction`` and measured within
-            noise of ``False``).
+            tokens. ``"continuation"``: every continuation the drafter looked up
+            (proposed, declined or shadowed) is scored in full against the tokens
+            the target commits, round after round, and each of its positions is
+            learnt as soon as it is known, so positions past a short block that
+            was accepted in full are learnt too (without it they keep their prior,
+            and short blocks that are always accepted never show that longer ones
+            would pay). Replayed on the default model's answers it saved forwards
+            (code-edit 67 to 58 of 400 tokens) but not time on this CPU, where a
+            wide verify costs several steps (where wide verifies are cheap it
+            gained about 1%); a 3-round bench of code-edit measured it 12% faster
+            at temperature 0. Off by default until a full bench settles it (see
+            the README).
+        learn_bonus: with ``learn = "block"``, when a block is accepted in full,
+            also score the continuation's next token against the round's bonus
+            token (the target's next token), so the acceptance estimates learn the
+            position past the block at no cost (``False``, the default: only the
+            positions proposed; on the default model it saved 2 of 61 forwards on
+            ``extraction`` and measured within noise of ``False``).
         decay: how much older outcomes keep of their weight in the acceptance
             estimates at each new one (1: no decay).
         store: a cross-request store of earlier requests' outputs, looked up when
