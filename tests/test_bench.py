@@ -725,6 +725,8 @@ def test_cli_baseline_details_and_plot(capsys, byte_model, tmp_path):
     assert "| none / mlx-lm |" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     d = json.loads(details.read_text())
+    assert d["verify_attention"]["replica"] is True, d["verify_attention"]
+    assert "verify attention: a replica of MLX's softmax (bit-identical" in err
     (r,) = d["results"]
     assert r["baseline"] == "mlx-lm" and r["none_vs_baseline"] > 0
     assert 0.0 <= r["faithfulness"] <= 1.0

@@ -271,6 +271,8 @@ def test_doctor_json_fields(capsys):
     for key in ("active", "loaded_libraries", "fast_blas_candidates", "ensure_fast_blas"):
         assert key in b, key
     assert r["matmul_gflops"] > 0
+    att = r["verify_attention"]
+    assert att["replica"] is True and att["speedup"] >= 1.1, att
     assert b["matmul_max_abs_error"] < 1e-3
     assert any(p["distribution"] == "specdec-core" for p in r["plugins"])
     if sys.platform.startswith("linux"):
@@ -285,6 +287,8 @@ def test_doctor_text(capsys):
     assert rc == 0
     for label in ("mlx ", "mlx-lm", "device", "blas in use", "matmul", "GFLOP/s", "plugins"):
         assert label in out, label
+    # the CPU's verify attention: which one, and why (CI runs the Linux mlx-cpu wheel)
+    assert "attention     verify forwards use a replica of MLX's softmax (bit-identical" in out
 
 
 def test_console_script_doctor_and_plugins():

@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import make_prompt_cache
 
+from .attention import verify_attention
 from .errors import PolicyError, RequestError
 from .rollback import build_plan
 
@@ -401,7 +402,9 @@ class Batch:
         txn = self._plan.begin()
         t0 = time.perf_counter()
         try:
-            logits = self._verify(pipe.model, mx.array(rows, dtype=mx.int32), self._caches).logits
+            with verify_attention():
+                vr = self._verify(pipe.model, mx.array(rows, dtype=mx.int32), self._caches)
+            logits = vr.logits
             mx.eval(logits)
         except Exception as exc:  # noqa: BLE001 - the forward is every row's: all fail
             return self._fail_all(txn, exc, failed)

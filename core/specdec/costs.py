@@ -207,8 +207,11 @@ def _max_positions(model: Any) -> int | None:
 
 def model_fingerprint(model: Any, verifier: Any = None) -> str:
     """A key for what the cost of a forward depends on: parameter shapes and dtypes,
-    the model's config, the verifier, the device, the MLX version and the machine."""
+    the model's config, the verifier, the device, the MLX version, the machine and
+    whether verify forwards use the CPU's attention replica (:mod:`specdec.attention`)."""
     from mlx.utils import tree_flatten
+
+    from .attention import status as attention_status
 
     h = hashlib.sha256()
     args = getattr(model, "args", None)
@@ -228,6 +231,8 @@ def model_fingerprint(model: Any, verifier: Any = None) -> str:
     h.update(mx.__version__.encode())
     h.update(platform.machine().encode())
     h.update(str(os.cpu_count()).encode())
+    if attention_status().enabled:  # verify forwards cost less with the CPU's replica
+        h.update(b"attention=replica")
     return h.hexdigest()[:20]
 
 
@@ -279,6 +284,7 @@ def profile_verify_cost(
     """
     from mlx_lm.models.cache import make_prompt_cache
 
+    from .attention import verify_attention
     from .rollback import rollback_plan
     from .verifiers import LogitsVerifier
 
@@ -304,7 +310,8 @@ def profile_verify_cost(
             0, vocab, (ctx_len,), key=mx.random.key(seed * 1_000_003 + ctx_len)
         )
         for s in range(0, ctx_len, 512):
-            verifier.verify(model, prompt[s : s + 512], caches)
+            with verify_attention():
+                verifier.verify(model, prompt[s : s + 512], caches)
             mx.eval(_state(caches))
         plan = rollback_plan(caches, model=model, host=host)
         if not plan.ok:
@@ -319,7 +326,8 @@ def profile_verify_cost(
             for w in order:
                 txn = plan.begin()
                 t0 = time.perf_counter()
-                vr = verifier.verify(model, block[:w], caches)
+                with verify_attention():
+                    vr = verifier.verify(model, block[:w], caches)
                 mx.eval(vr.logits)
                 dt = time.perf_counter() - t0
                 txn.abort()

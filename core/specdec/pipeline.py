@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptors import auto_acceptor
+from .attention import verify_attention
 from .costs import CostModel
 from .distributed import (
     SHARDING_KINDS,
@@ -734,6 +735,12 @@ class Pipeline:
         )
         return row
 
+    def _verify(self, tokens: mx.array, caches: list) -> VerifyResult:
+        """The verifier's forward over ``tokens``, with the CPU's verify attention
+        (:mod:`specdec.attention`: MLX's own result, bit for bit, in less time)."""
+        with verify_attention():
+            return self.verifier.verify(self.model, tokens, caches)
+
     def _run(self, row: _Row, on_round: Callable | None) -> Iterator[StreamResponse]:
         if self.ranks is not None:
             yield from self._run_ranked(row, on_round)
@@ -910,7 +917,7 @@ class Pipeline:
                 continue
             vr = None
             try:
-                vr = self.verifier.verify(self.model, mx.array(chunk), caches)
+                vr = self._verify(mx.array(chunk), caches)
                 if listeners:
                     record = PrefillChunk(tokens=tuple(chunk), start_position=start, result=vr)
                     for listen in listeners:
@@ -1062,7 +1069,7 @@ class Pipeline:
             tok = after.lazy_token if after is not None else mx.array(row.history[-1:])
             if row.sync is not None:
                 self.ranks.round(row.sync, row.history, _Round(position=position))
-            logits = self.verifier.verify(self.model, tok, row.caches).logits
+            logits = self._verify(tok, row.caches).logits
             if row.sync is not None:
                 self.ranks.built(row.sync, logits)
             if row.processors:
@@ -1148,7 +1155,7 @@ class Pipeline:
         rnd.t_launch = time.perf_counter() if on is None else on.t_launch
         rnd.txn = plan.begin() if on is None else on.txn
         try:
-            vr = self.verifier.verify(self.model, inputs, row.caches)
+            vr = self._verify(inputs, row.caches)
             if row.sync is not None:
                 self.ranks.built(row.sync, vr.logits)
             rnd.vr = vr if on is None else _joined(on.vr, vr)
@@ -1204,7 +1211,7 @@ class Pipeline:
         la.t_launch = time.perf_counter()
         la.txn = plan.begin()
         try:
-            la.vr = self.verifier.verify(self.model, y.astype(mx.int32), row.caches)
+            la.vr = self._verify(y.astype(mx.int32), row.caches)
             la.logits = la.vr.logits
             self._launch(row, la.logits)
         except BaseException:

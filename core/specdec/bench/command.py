@@ -451,6 +451,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if batches is not None:
         return _batch_bench(args, model, tokenizer, model_spec, workloads, policy, batches)
 
+    from ..attention import status as attention_status
+
+    attention = attention_status()
     measured = ", ".join(p.name for p in policies)
     header = (
         f"specdec bench: model {model_spec}"
@@ -464,7 +467,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         + f", policy {measured} vs none, "
         f"{args.runs} run(s) each, {args.max_tokens} tokens, temp {', '.join(f'{t:g}' for t in temps)}, "
-        f"seed {args.seed}" + (f", baseline {args.baseline}" if args.baseline else "")
+        f"seed {args.seed}"
+        + (f", baseline {args.baseline}" if args.baseline else "")
+        + f"; verify attention: {attention.describe()}"
     )
     if speaks:
         print(header, file=sys.stderr, flush=True)
@@ -501,6 +506,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "baseline": args.baseline,
             "dtype": args.dtype,
+            "verify_attention": {"replica": attention.enabled, "reason": attention.reason},
             "results": [r.details(with_output=True) for r in results],
             "policy_pairs": policy_pairs(results),
         }

@@ -75,8 +75,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def add_doctor_parser(sub: Any) -> None:
     p = sub.add_parser(
         "doctor",
-        help="versions, device, BLAS in use, matmul speed, plugins",
-        description="Report what specdec runs on: versions, device, BLAS and its speed, plugins.",
+        help="versions, device, BLAS in use, matmul speed, verify attention, plugins",
+        description="Report what specdec runs on: versions, device, BLAS and its speed, the attention verify forwards use, plugins.",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
@@ -179,6 +179,9 @@ def doctor_report() -> dict:
     except Exception:
         cuda = False
     blas_info = blas.blas_report(measure=True)
+    from specdec.attention import status as attention_status
+
+    att = attention_status()
     advice = []
     if blas_info["active_is_reference"] and sys.platform.startswith("linux"):
         if blas_info["fast_blas_disabled"]:
@@ -210,6 +213,12 @@ def doctor_report() -> dict:
         "cuda_available": cuda,
         "blas": blas_info,
         "matmul_gflops": blas_info.get("matmul_gflops"),
+        "verify_attention": {
+            "replica": att.enabled,
+            "reason": att.reason,
+            "speedup": att.speedup,
+            "description": att.describe(),
+        },
         "plugins": [
             {"name": p["name"], "distribution": p["distribution"], "version": p["version"]}
             for p in host_info["plugins"]
@@ -237,6 +246,7 @@ def format_doctor(r: dict) -> str:
         f"fast blas     {st.get('action', 'not attempted')}: {st.get('reason', '')}",
         f"matmul        {fmt(b.get('matmul_gflops'), '.1f')} GFLOP/s "
         f"(1024x1024 float32, CPU; max error vs numpy {fmt(b.get('matmul_max_abs_error'), '.1e')})",
+        f"attention     verify forwards use {r['verify_attention']['description']}",
         "plugins       "
         + (
             ", ".join(f"{p['name']} ({p['distribution']} {p['version']})" for p in r["plugins"])
