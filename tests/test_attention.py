@@ -146,10 +146,10 @@ def test_speculative_rounds_use_the_replica_and_match_mlx_lm(models, copy_prompt
 
     m = models["llama"]
     prompt = copy_prompts["llama"]
-    host = specdec.testing.checks._host_with_oracle()
-    pipe = specdec.assemble(m, None, oracle_policy(m, "partial", block=6), host=host)
-    before = attention.status().calls
-    out = pipe.generate(prompt, max_tokens=24, temperature=0.0)
+    with specdec.testing.plugin_host() as host:
+        pipe = specdec.assemble(m, None, oracle_policy(m, "partial", block=6), host=host)
+        before = attention.status().calls
+        out = pipe.generate(prompt, max_tokens=24, temperature=0.0)
     assert out.stats.drafted > 0 and 0 < out.stats.accepted < out.stats.drafted
     assert attention.status().calls > before
     # mlx-lm's own greedy loop, outside specdec: MLX's attention throughout

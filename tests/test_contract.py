@@ -447,9 +447,9 @@ def test_on_round_does_not_switch_the_plain_path(models, copy_prompts, temperatu
 
 
 def test_stats_report_the_loops_own_time(models, copy_prompts):
-    out = specdec.assemble(models["llama"], policy=oracle_policy(models["llama"])).generate(
-        copy_prompts["llama"], max_tokens=20
-    )
+    with specdec.testing.plugin_host() as host:  # the kit's host has the oracle drafter
+        pipe = specdec.assemble(models["llama"], policy=oracle_policy(models["llama"]), host=host)
+        out = pipe.generate(copy_prompts["llama"], max_tokens=20)
     s = out.stats
     assert 0 < s.wait_time_s <= s.decode_time_s
     assert s.loop_overhead_s == pytest.approx((s.decode_time_s - s.wait_time_s) / s.target_forwards)
