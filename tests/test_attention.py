@@ -36,6 +36,8 @@ def _mask(kind, B, n_q, L, S, seed):
         return mx.random.uniform(shape=(B, 1, L, S), key=key) > 0.25
     if kind == "additive-f32":
         return mx.where(mx.random.uniform(shape=(L, S), key=key) > 0.25, 0.0, -1e9)
+    if kind == "bool-3d-heads":
+        return mx.random.uniform(shape=(n_q, L, S), key=key) > 0.25
     if kind == "additive-f16":
         m = mx.where(mx.random.uniform(shape=(B, n_q, L, S), key=key) > 0.25, 0.0, -3e4)
         return m.astype(mx.float16)
@@ -52,11 +54,29 @@ def test_replica_is_bit_identical_to_mlx(heads, L, S, mask):
     B = 2 if mask == "bool-4d" else 1
     q, k, v = _qkv(L * 31 + S, B, n_q, n_kv, L, S)
     m = _mask(mask, B, n_q, L, S, L + S)
-    want = attention._original or mx.fast.scaled_dot_product_attention
+    want = attention._original_or_mlx()
     expected = np.array(want(q, k, v, scale=0.3, mask=m))
     got = np.array(attention.replica_attention(q, k, v, 0.3, m))
     assert got.dtype == np.float32
     assert np.array_equal(got, expected), np.abs(got - expected).max()
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (9, 3), (8, 8)])
+@pytest.mark.parametrize(
+    "mask",
+    [None, "causal", "bool-2d", "bool-4d", "bool-3d-heads", "additive-f32", "additive-f16"],
+)
+def test_sliced_replica_is_bit_identical_to_mlx(heads, mask):
+    # slices of one and of two K/V heads (the last one shorter), and one piece
+    n_q, n_kv = heads
+    B, L, S = 2, 9, 70
+    q, k, v = _qkv(n_q + n_kv, B, n_q, n_kv, L, S)
+    m = _mask(mask, B, n_q, L, S, n_q)
+    expected = np.array(attention._original_or_mlx()(q, k, v, scale=0.3, mask=m))
+    per_head = B * (n_q // n_kv) * L * S
+    for limit in (per_head, 2 * per_head, n_kv * per_head):
+        got = attention.sliced_replica_attention(q, k, v, 0.3, m, max_scores=limit)
+        assert np.array_equal(np.array(got), expected), (limit, mask)
 
 
 def test_softmax_replica_matches_mlx_at_the_edges():
@@ -77,7 +97,7 @@ def test_softmax_replica_matches_mlx_at_the_edges():
 def test_status_enables_the_replica_on_this_cpu(fresh_attention):
     st = attention.status()
     assert st.enabled, st.reason  # CI runs the Linux mlx-cpu wheel, where it pays
-    assert "bit-identical" in st.reason and st.speedup >= 1.1
+    assert "bit-identical" in st.reason and st.speedup >= attention.MIN_SPEEDUP
     assert mx.fast.scaled_dot_product_attention is attention._dispatch
 
 
@@ -96,11 +116,18 @@ def test_dispatch_takes_only_verify_sized_float32_calls_inside_the_block(fresh_a
         sdpa(q1, k, v, scale=0.5)
         sdpa(q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16), scale=0.5)
         sdpa(q, k, v, scale=0.5, mask="causal", sinks=mx.zeros((4,)))
-        big_q, big_k, big_v = _qkv(1, 1, 8, 8, 64, attention.MAX_SCORES // (8 * 64) + 1)
+        # and one K/V head's scores past MAX_SCORES
+        big_q, big_k, big_v = _qkv(1, 1, 1, 1, 64, attention.MAX_SCORES // 64 + 1)
         sdpa(big_q, big_k, big_v, scale=0.5, mask="causal")
         assert attention.status().calls == before + 1
+        # past MAX_SCORES in all, but each K/V head fits: the replica, in slices
+        wide = _qkv(2, 1, 8, 4, 64, attention.MAX_SCORES // (8 * 64) + 1)
+        sliced = sdpa(*wide, scale=0.5, mask="causal")
+        assert attention.status().calls == before + 2
     expected = attention._original(q, k, v, scale=0.5, mask="causal")
     assert np.array_equal(np.array(out), np.array(expected))
+    expected = attention._original(*wide, scale=0.5, mask="causal")
+    assert np.array_equal(np.array(sliced), np.array(expected))
 
 
 def test_env_var_turns_it_off_and_changes_the_cost_key(fresh_attention, monkeypatch, models):

@@ -94,7 +94,7 @@ from .shadow import ShadowScore
 from .stats import Stats
 from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.15"
+__version__ = "0.2.16"
 
 __all__ = [
     "CAPABILITIES",

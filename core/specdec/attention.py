@@ -19,11 +19,17 @@ is not, or where it is not faster, keeps MLX's).
 
 It is used only inside :func:`verify_attention` (the pipeline enters it around
 its verify forwards and the cost profiler around its timed ones), only for
-float32 on the CPU, only for 2 or more queries, and only while the score
-matrix has at most :data:`MAX_SCORES` elements: beyond that the extra passes
-over a matrix that no longer fits the cache cost more than the exponentials
-save (measured on this project's 2-core machines, 4 MiB L2). Everything else
-goes to MLX's function unchanged. ``SPECDEC_CPU_ATTENTION=off`` turns it off.
+float32 on the CPU, and only for 2 or more queries. A score matrix of more
+than :data:`MAX_SCORES` elements is computed in slices of whole K/V heads
+(with their query heads) of at most that many scores each, concatenated:
+attention is independent per head, and each slice is the same matmul MLX does
+for those heads, so the bits do not change; past about 1.2 million scores in
+one piece the replica's float64 intermediates no longer fit the cache and it
+lost to MLX by 2x (measured in verify forwards on this project's 2-core
+machines: 24 queries at a 7,000-token context took 1,632 ms in one piece,
+634 ms in slices, 819 ms with MLX's). A call where even one K/V head's slice
+is larger goes to MLX's function, like everything else.
+``SPECDEC_CPU_ATTENTION=off`` turns it off.
 """
 
 from __future__ import annotations
@@ -43,8 +49,12 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-#: Largest score matrix (batch x query heads x queries x keys) the replica takes.
-MAX_SCORES = 1 << 18
+#: Largest score matrix (batch x query heads x queries x keys) the replica computes in
+#: one piece; a larger one is sliced by K/V heads (see the module docstring).
+MAX_SCORES = 1 << 20
+
+#: The first-use check keeps MLX's function unless the replica is at least this much faster.
+MIN_SPEEDUP = 1.05
 
 #: The environment variable that turns the replica off (``off``, ``0``, ``false``, ``no``).
 ENV = "SPECDEC_CPU_ATTENTION"
@@ -144,6 +154,35 @@ def replica_attention(
     return out.reshape(B, n_q, L, D) if rep > 1 else out
 
 
+def sliced_replica_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: Any = None,
+    max_scores: int | None = None,
+) -> mx.array:
+    """:func:`replica_attention` in slices of whole K/V heads of at most ``max_scores``
+    scores each (default :data:`MAX_SCORES`), concatenated along the heads: the same
+    bits, without a score matrix that overflows the cache. One slice when it fits."""
+    limit = MAX_SCORES if max_scores is None else max_scores
+    B, n_q, L, _ = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    rep = n_q // n_kv
+    per_head = B * rep * L * S
+    group = max(1, min(n_kv, limit // per_head))
+    if group >= n_kv:
+        return replica_attention(q, k, v, scale, mask)
+    # a mask with a query-head axis (third from the right) is sliced with the heads
+    head_mask = isinstance(mask, mx.array) and mask.ndim >= 3 and mask.shape[-3] == n_q > 1
+    outs = []
+    for h in range(0, n_kv, group):
+        e = min(h + group, n_kv)
+        m = mask[..., h * rep : e * rep, :, :] if head_mask else mask
+        outs.append(replica_attention(q[:, h * rep : e * rep], k[:, h:e], v[:, h:e], scale, m))
+    return mx.concatenate(outs, axis=1)
+
+
 @dataclass
 class AttentionStatus:
     """Whether verify forwards use the replica here, and why (``specdec doctor`` prints it).
@@ -193,7 +232,7 @@ def _takes(q: Any, k: Any, v: Any, mask: Any) -> bool:
         return False
     B, n_q, L, D = q.shape
     n_kv = k.shape[1]
-    if L < 2 or B * n_q * L * k.shape[2] > MAX_SCORES:
+    if L < 2 or n_kv < 1 or n_q % n_kv or B * (n_q // n_kv) * L * k.shape[2] > MAX_SCORES:
         return False
     if k.shape[0] != B or v.shape[0] != B or k.shape[3] != D or v.shape[1] != n_kv:
         return False
@@ -226,14 +265,14 @@ def _dispatch(q, k, v, *, scale, mask=None, sinks=None, stream=None, **kwargs):
         and _takes(q, k, v, mask)
     ):
         _status.calls += 1
-        return replica_attention(q, k, v, scale, mask)
+        return sliced_replica_attention(q, k, v, scale, mask)
     return _original(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream, **kwargs)
 
 
 def _check() -> AttentionStatus:
     """Compare the replica with MLX's function (bits), then time both on a verify-sized
     problem (17 queries, 9 heads over 3, 1,041 keys); the replica is used where it is
-    identical and at least 10% faster."""
+    identical and at least :data:`MIN_SPEEDUP` times as fast."""
     if _env_off():
         return AttentionStatus(False, f"{ENV}={os.environ.get(ENV)}")
     if not _on_cpu():
@@ -251,16 +290,19 @@ def _check() -> AttentionStatus:
     ]
     try:
         for m in masks:
-            want = _original(q, k, v, scale=0.25, mask=m)
-            got = replica_attention(q, k, v, 0.25, m)
-            if not np.array_equal(np.array(want), np.array(got)):
+            want = np.array(_original(q, k, v, scale=0.25, mask=m))
+            # in one piece, and in slices of one K/V head (a 3-head mask sliced with them)
+            got = np.array(replica_attention(q, k, v, 0.25, m))
+            m = mx.broadcast_to(m, (2, 6, 7, 45)) if isinstance(m, mx.array) else m
+            sliced = np.array(sliced_replica_attention(q, k, v, 0.25, m, max_scores=2 * 3 * 7 * 45))
+            if not (np.array_equal(want, got) and np.array_equal(want, sliced)):
                 return AttentionStatus(False, "not bit-identical to MLX's attention on this build")
         q = mx.random.normal((1, 9, 17, 64), key=ks[5])
         k = mx.random.normal((1, 3, 1041, 64), key=ks[0])
         v = mx.random.normal((1, 3, 1041, 64), key=ks[1])
         mx.eval(q, k, v)
         times: dict[str, list[float]] = {"mlx": [], "replica": []}
-        for _ in range(5):
+        for _ in range(7):
             for name, fn in (
                 ("mlx", lambda: _original(q, k, v, scale=0.125, mask="causal")),
                 ("replica", lambda: replica_attention(q, k, v, 0.125, "causal")),
@@ -270,8 +312,9 @@ def _check() -> AttentionStatus:
                 times[name].append(time.perf_counter() - t0)
     except Exception as exc:  # mx.compile needs a C++ compiler on the CPU
         return AttentionStatus(False, f"the replica failed to run: {exc}")
-    speedup = float(np.median(times["mlx"]) / np.median(times["replica"]))
-    if speedup < 1.1:
+    # the fastest of each: other work on the machine only ever adds time
+    speedup = float(min(times["mlx"]) / min(times["replica"]))
+    if speedup < MIN_SPEEDUP:
         return AttentionStatus(
             False, f"not faster here ({speedup:.2f}x on 17 queries x 1,041 keys)", speedup
         )
@@ -310,6 +353,11 @@ def verify_attention() -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def _original_or_mlx() -> Any:
+    """MLX's own attention function, whether or not the dispatch is installed (tests)."""
+    return _original or mx.fast.scaled_dot_product_attention
 
 
 def _reset_for_tests() -> None:

@@ -211,6 +211,7 @@ def model_fingerprint(model: Any, verifier: Any = None) -> str:
     whether verify forwards use the CPU's attention replica (:mod:`specdec.attention`)."""
     from mlx.utils import tree_flatten
 
+    from .attention import MAX_SCORES
     from .attention import status as attention_status
 
     h = hashlib.sha256()
@@ -232,7 +233,8 @@ def model_fingerprint(model: Any, verifier: Any = None) -> str:
     h.update(platform.machine().encode())
     h.update(str(os.cpu_count()).encode())
     if attention_status().enabled:  # verify forwards cost less with the CPU's replica
-        h.update(b"attention=replica")
+        # (and its size rule: a curve profiled under another one priced other forwards)
+        h.update(f"attention=replica;max_scores={MAX_SCORES};sliced".encode())
     return h.hexdigest()[:20]
 
 
