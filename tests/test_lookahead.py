@@ -121,15 +121,15 @@ def test_no_lookahead_for_drafters_that_read_the_caches():
 def test_an_interrupt_during_plain_decoding_stays_an_interrupt(monkeypatch):
     model = make_tiny_model("llama", vocab_size=64)
     pipe = specdec.assemble(model, policy="none")
-    real, calls = pipe._finish_round, []
+    real, calls = pipe.verifier.verify, []
 
-    def finish(row, rnd):
+    def verify(model, tokens, caches):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 3:  # while a plain step is queued ahead of the one read back
             raise KeyboardInterrupt
-        return real(row, rnd)
+        return real(model, tokens, caches)
 
-    monkeypatch.setattr(pipe, "_finish_round", finish)
+    monkeypatch.setattr(pipe.verifier, "verify", verify)
     with pytest.raises(KeyboardInterrupt):
         pipe.generate([3, 1, 4, 1, 5], max_tokens=12)
 

@@ -29,7 +29,7 @@ if _blas_status.action == "too_late":
     )
 
 from . import distributed, options, training
-from .batch import Batch, BatchEvent, BatchKVRollback
+from .batch import Batch, BatchEvent
 from .capture import ModelTaps, TapError, model_taps
 from .costs import (
     AcceptanceEstimate,
@@ -82,7 +82,9 @@ from .roles import (
     Verifier,
     VerifyResult,
 )
+from .request import Request
 from .rollback import (
+    BatchKVRollback,
     KVTrimRollback,
     RollbackPlan,
     RollbackUnavailable,
@@ -143,6 +145,7 @@ __all__ = [
     "PolicyError",
     "Progress",
     "RequestContext",
+    "Request",
     "RequestError",
     "RoundResult",
     "STREAM_DRAFT",

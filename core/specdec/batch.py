@@ -15,7 +15,7 @@ all rows drop the rejected tail they share, and a row that keeps fewer entries
 than the row that keeps most moves its oldest entries into the holes at its end
 and grows its left padding by as many (the entries of a cache are keys already
 rotated at their positions, so attention does not depend on their order): a few
-entries per row move, never the whole cache (see :class:`BatchKVRollback`).
+entries per row move, never the whole cache (see :class:`specdec.rollback.BatchKVRollback`).
 """
 
 from __future__ import annotations
@@ -27,84 +27,20 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import round as phases
 from .attention import verify_attention
+from .composition import check_batch
+from .coordinate import Solo
 from .errors import PolicyError, RequestError
-from .rollback import build_plan
+from .lifecycle import RequestState, close, open_request, prefill
+from .request import Request
+from .roles import BaseDrafterSession, RoundResult
+from .rollback import BatchKVRollback, build_plan
+from .round import Round, RoundKind
 
 __all__ = ["Batch", "BatchEvent", "BatchKVRollback"]
-
-#: Left padding shared by every row above which the batch cache is compacted.
-_COMPACT_AT = 256
-
-
-class _BatchKVTransaction:
-    """Per-row rollback of a ``BatchKVCache`` (see :class:`BatchKVRollback`)."""
-
-    def __init__(self, cache: Any):
-        self.cache = cache
-        self.idx = cache._idx
-        self.offset = cache.offset
-
-    def commit(self, n_fed: int, n_keep: int | Sequence[int]) -> None:
-        c = self.cache
-        rows = int(c.offset.shape[0])
-        keep = [int(n_keep)] * rows if isinstance(n_keep, int) else [int(k) for k in n_keep]
-        if len(keep) != rows or not all(0 <= k <= n_fed for k in keep):
-            raise ValueError(f"commit({n_fed}, {n_keep!r}) for a batch cache of {rows} rows")
-        top = max(keep)
-        if n_fed > top:
-            c.trim(n_fed - top)
-        drop = [top - k for k in keep]
-        if any(drop):
-            idx = c._idx
-            lp = c.left_padding.tolist()
-            for r, d in enumerate(drop):
-                n = min(d, idx - d - lp[r])  # the row's oldest entries that fill its holes
-                if d and n > 0:
-                    src, dst = slice(lp[r], lp[r] + n), slice(idx - n, idx)
-                    c.keys[r : r + 1, :, dst, :] = c.keys[r : r + 1, :, src, :]
-                    c.values[r : r + 1, :, dst, :] = c.values[r : r + 1, :, src, :]
-            d = mx.array(drop)
-            c.left_padding = c.left_padding + d
-            c.offset = c.offset - d
-            shared = min(a + b for a, b in zip(lp, drop))
-            if shared >= _COMPACT_AT and c.keys is not None:
-                c.keys = c.keys[..., shared:, :]
-                c.values = c.values[..., shared:, :]
-                c._idx -= shared
-                c.left_padding = c.left_padding - shared
-
-    def abort(self) -> None:
-        c = self.cache
-        if c._idx > self.idx:
-            c.trim(c._idx - self.idx)
-        c.offset = self.offset
-
-
-class BatchKVRollback:
-    """Rollback of mlx-lm's ``BatchKVCache`` rows by different amounts.
-
-    ``commit(n_fed, n_keep)`` takes one ``n_keep`` for every row or a sequence with
-    one per row. All rows drop the rejected tail they share (a trim); a row that
-    keeps ``d`` entries fewer than the row keeping most moves its ``d`` oldest
-    entries into the ``d`` slots at its end and grows its left padding by ``d``, so
-    its valid entries stay contiguous and right-aligned. When every row's left
-    padding passes 256 the shared padding is cut off.
-    """
-
-    name = "batch_kv"
-    supports_batch = True
-
-    def supports(self, cache: Any) -> bool:
-        """Exactly ``BatchKVCache``."""
-        return type(cache) is getattr(mlx_cache, "BatchKVCache", ())
-
-    def begin(self, cache: Any) -> _BatchKVTransaction:
-        """Remember the write index and the rows' offsets."""
-        return _BatchKVTransaction(cache)
 
 
 @attrs.frozen
@@ -127,16 +63,13 @@ class BatchEvent:
 @attrs.define
 class _Member:
     rid: int
-    row: Any
-    t_start: float = 0.0
+    state: RequestState
     cancelled: bool = False
     prompt_cache: Any = None
 
 
 def _reads_prefill(session: Any) -> bool:
     """Whether a session has a ``prefill`` of its own (not the base class's no-op)."""
-    from .roles import BaseDrafterSession
-
     fn = getattr(type(session), "prefill", None)
     return callable(fn) and fn is not BaseDrafterSession.prefill
 
@@ -170,13 +103,11 @@ class Batch:
     """
 
     def __init__(self, pipeline: Any, max_rows: int):
-        from .pipeline import _check_batch
-
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise RequestError(f"a batch needs max_rows >= 1, got {max_rows!r}")
         self.pipeline = pipeline
         self.max_rows = max_rows
-        _check_batch(pipeline.host, pipeline.policy, max_rows)
+        check_batch(pipeline.host, pipeline.policy, max_rows)
         verify = getattr(pipeline.verifier, "verify_batch", None)
         if not callable(verify):
             raise PolicyError(
@@ -209,9 +140,15 @@ class Batch:
     # -- queue ------------------------------------------------------------------
 
     def add(
-        self, prompt: str | Sequence[int], *, prompt_cache: list | None = None, **kwargs: Any
+        self,
+        prompt: str | Sequence[int],
+        *,
+        prompt_cache: list | None = None,
+        request: Request | None = None,
+        **kwargs: Any,
     ) -> int:
-        """Queue a request; ``kwargs`` as :meth:`specdec.Pipeline.stream` (but ``on_round``).
+        """Queue a request; ``kwargs`` as :meth:`specdec.Pipeline.stream` (but ``on_round``),
+        or a :class:`specdec.Request` as ``request``.
 
         Args:
             prompt: text or token ids.
@@ -228,12 +165,12 @@ class Batch:
         """
         if "on_round" in kwargs:
             raise RequestError("on_round is not available for rows of a batch")
-        row = self.pipeline._new_row(prompt, **kwargs)
+        state = self.pipeline.request_state(prompt, request, kwargs)
         if prompt_cache is not None:
-            self._check_prompt_cache(prompt_cache, len(row.history) - 1)
+            self._check_prompt_cache(prompt_cache, len(state.history) - 1)
         rid = self._next
         self._next += 1
-        self._pending.append(_Member(rid, row, prompt_cache=prompt_cache))
+        self._pending.append(_Member(rid, state, prompt_cache=prompt_cache))
         return rid
 
     def _check_prompt_cache(self, caches: Any, length: int) -> None:
@@ -287,12 +224,12 @@ class Batch:
     def close(self) -> None:
         """End every request (their sessions end; queued ones are dropped)."""
         for m in self._rows:
-            self.pipeline._close(m.row)
+            close(m.state)
         self._rows = []
         self._pending.clear()
         self._caches = self._plan = None
 
-    # -- rounds -----------------------------------------------------------------
+    # -- admission ----------------------------------------------------------------
 
     def step(self) -> list[BatchEvent]:
         """Admit queued requests while there is room, then run one round for every row.
@@ -310,25 +247,23 @@ class Batch:
                 self._admit(m)
                 joined.append(m)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self.pipeline._close(m.row)
+                close(m.state)
                 events.append(BatchEvent(m.rid, error=exc))
         now = time.perf_counter()
         for m in joined:  # decoding starts when every joining prompt has been prefilled
-            m.t_start = now
+            m.state.t_start = now
         if self._rows:
             events.extend(self._round())
         return events
 
     def _admit(self, m: _Member) -> None:
-        pipe, row = self.pipeline, m.row
-        pipe._open(row, off_reason=self.off_reason, row_id=m.rid, reset_peak=not self._rows)
+        pipe, state = self.pipeline, m.state
+        open_request(pipe, state, off_reason=self.off_reason, row=m.rid, reset_peak=not self._rows)
         if m.prompt_cache is None:
-            t0 = time.perf_counter()
-            pipe._prefill(row, row.prefill_step)
-            row.stats.prompt_time_s = time.perf_counter() - t0
-            merged = _merged(row.caches)
+            prefill(pipe, state, Solo())
+            merged = _merged(state.caches)
         else:
-            readers = [n for n, s in row.sessions if _reads_prefill(s)]
+            readers = [n for n, s in state.sessions if _reads_prefill(s)]
             if readers:
                 raise RequestError(
                     f"drafter {readers[0]!r} reads the prompt while it is prefilled; it "
@@ -349,8 +284,8 @@ class Batch:
                 for c, st in zip(self._caches, saved):
                     c.state = st
                 raise
-        row.caches = self._caches
-        row.stats.rollbacks = self._plan.names() if self.off_reason is None else []
+        state.caches = self._caches
+        state.stats.rollbacks = self._plan.names() if self.off_reason is None else []
         self._rows.append(m)
 
     def _drop(self, gone: list[_Member]) -> None:
@@ -358,7 +293,7 @@ class Batch:
         if not gone:
             return
         for m in gone:
-            self.pipeline._close(m.row)
+            close(m.state)
         keep = [i for i, m in enumerate(self._rows) if m not in gone]
         self._rows = [self._rows[i] for i in keep]
         if not self._rows:
@@ -367,43 +302,24 @@ class Batch:
         for c in self._caches:
             c.filter(keep)
 
-    def _round(self) -> list[BatchEvent]:
-        from .pipeline import _is_lazy, _Round
+    # -- a round ------------------------------------------------------------------
 
-        pipe = self.pipeline
+    def _round(self) -> list[BatchEvent]:
+        """Plan every row, one padded verify forward, accept each row, commit the caches
+        with one keep count per row, observe and emit."""
         members = list(self._rows)
         failed: dict[int, BaseException] = {}
-        rounds: list = []
-        for i, m in enumerate(members):
-            rnd = _Round(position=len(m.row.history))
-            if not m.row.sessions:  # a plain row: nothing to plan (as a plain request)
-                pipe._choose_acceptor(m.row, rnd)
-                rounds.append(rnd)
-                continue
-            try:
-                pipe._plan(m.row, rnd)
-                if _is_lazy(rnd.block):
-                    rnd.block = tuple(int(t) for t in rnd.block.tolist())
-                    if rnd.chosen is not None:
-                        rnd.proposals[rnd.chosen] = rnd.block
-                else:
-                    rnd.block = tuple(int(t) for t in rnd.block)
-                pipe._choose_acceptor(m.row, rnd)
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                failed[i] = exc
-                rnd = _Round(position=len(m.row.history))
-            rnd.n_fed = 1 + len(rnd.block)
-            rounds.append(rnd)
+        rounds = [self._plan_row(i, m, failed) for i, m in enumerate(members)]
         width = max(r.n_fed for r in rounds)
         rows = [
-            [m.row.history[-1], *r.block] + [m.row.history[-1]] * (width - r.n_fed)
+            [m.state.history[-1], *r.block] + [m.state.history[-1]] * (width - r.n_fed)
             for m, r in zip(members, rounds)
         ]
         txn = self._plan.begin()
         t0 = time.perf_counter()
         try:
             with verify_attention():
-                vr = self._verify(pipe.model, mx.array(rows, dtype=mx.int32), self._caches)
+                vr = self._verify(self.pipeline.model, mx.array(rows, dtype=mx.int32), self._caches)
             logits = vr.logits
             mx.eval(logits)
         except Exception as exc:  # noqa: BLE001 - the forward is every row's: all fail
@@ -411,16 +327,16 @@ class Batch:
         t_verify = time.perf_counter()
         keeps, results, accept_s = [], [], []
         for i, (m, rnd) in enumerate(zip(members, rounds)):
-            result = None
+            res = None
             t = time.perf_counter()
             if i not in failed:
                 try:
-                    result = self._accept(m.row, rnd, logits[i, : rnd.n_fed])
+                    res = self._accept(m.state, rnd, logits[i, : rnd.n_fed])
                 except Exception as exc:  # noqa: BLE001 - this request fails alone
                     failed[i] = exc
             accept_s.append(time.perf_counter() - t)
-            keeps.append(1 if result is None else result.n_accepted + 1)
-            results.append(result)
+            keeps.append(1 if res is None else res.n_accepted + 1)
+            results.append(res)
         t_commit = time.perf_counter()
         try:
             # One count for all rows when they all keep the same (always so without
@@ -433,34 +349,21 @@ class Batch:
         self.round_time_s += t_done - t0
         events: list[BatchEvent] = []
         gone = []
-        for i, (m, rnd, result) in enumerate(zip(members, rounds, results)):
-            stats = m.row.stats
+        for i, (m, rnd, res) in enumerate(zip(members, rounds, results)):
+            stats = m.state.stats
             # Each row counts the shared forward and commit in full, and its own acceptance.
             stats.wait_time_s += t_verify - t0 + accept_s[i]
             if rnd.block:
                 stats.verify_time_s += t_verify - t0 + accept_s[i]
                 stats.commit_time_s += t_done - t_commit
             stats.batch_rows[len(members)] = stats.batch_rows.get(len(members), 0) + 1
-            if result is not None:
+            if res is not None:
                 try:
-                    pipe._observe(m.row, result)
-                    out: list = []
-                    gen = pipe._emit(
-                        m.row,
-                        list(result.committed),
-                        result.n_accepted,
-                        result.start_position,
-                        m.row.detok,
-                        m.t_start,
-                    )
-                    while True:
-                        try:
-                            out.append(next(gen))
-                        except StopIteration as stop:
-                            ended = stop.value
-                            break
+                    phases.observe(m.state, res)
+                    em = m.state.emitter
+                    out = em.push(res.committed, res.n_accepted, res.start_position)
                     events.extend(BatchEvent(m.rid, response=r) for r in out)
-                    if ended:
+                    if em.done:
                         gone.append(m)
                     continue
                 except Exception as exc:  # noqa: BLE001 - this request fails alone
@@ -469,6 +372,27 @@ class Batch:
             gone.append(m)
         self._drop(gone)
         return events
+
+    def _plan_row(self, i: int, m: _Member, failed: dict[int, BaseException]) -> Round:
+        """A row's round: its block planned and settled (a plain row has none); a row
+        whose drafter or governor raised is fed its last token only and fails alone."""
+        state, policy = m.state, self.pipeline.policy
+        position = len(state.history)
+        if not state.sessions:  # a plain row: nothing to plan (as a plain request)
+            rnd = Round(kind=RoundKind.PLAIN, position=position)
+            phases.choose_acceptor(policy, state.sampler, rnd)
+            return rnd
+        rnd = Round(kind=RoundKind.SPECULATIVE, position=position)
+        try:
+            phases.plan(state, policy, rnd)
+            phases.count_block(state.stats, rnd)
+            phases.settle(rnd)
+            phases.choose_acceptor(policy, state.sampler, rnd)
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            failed[i] = exc
+            rnd = Round(kind=RoundKind.SPECULATIVE, position=position)
+        rnd.n_fed = 1 + len(rnd.block)
+        return rnd
 
     def _fail_all(
         self, txn: Any, exc: BaseException, failed: dict[int, BaseException]
@@ -482,18 +406,10 @@ class Batch:
             self._drop(gone)
         return [BatchEvent(m.rid, error=failed.get(i, exc)) for i, m in enumerate(gone)]
 
-    def _accept(self, row: Any, rnd: Any, logits: mx.array) -> Any:
-        pipe = self.pipeline
-        rnd.logits = pipe._process(logits, row.history, rnd.block, row.processors)
-        acceptor = pipe._acceptors[rnd.acceptor]
-        positions = range(rnd.position, rnd.position + rnd.n_fed)
-        acc = acceptor.accept(rnd.block, rnd.q, rnd.logits, row.sampler, positions)
-        n_acc = int(acc.n_accepted)
-        if not 0 <= n_acc <= len(rnd.block):
-            raise RuntimeError(
-                f"acceptor {rnd.acceptor!r} accepted {n_acc} of a {len(rnd.block)}-token block"
-            )
-        return pipe._result(row, rnd, n_acc, int(acc.token))
+    def _accept(self, state: RequestState, rnd: Round, logits: mx.array) -> RoundResult:
+        rnd.logits = phases.process(logits, state.history, rnd.block, state.processors)
+        acc = phases.accept(self.pipeline.acceptors, rnd, state.sampler)
+        return phases.result(state, rnd, acc.n_accepted, acc.token)
 
 
 def stream_rows(batch: Batch, prompts: Sequence[Any], kwargs: dict) -> Iterator[tuple[int, Any]]:

@@ -49,7 +49,12 @@ def specdec_register_acceptors(register):
 @hookimpl
 def specdec_register_cache_rollbacks(register):
     """Register ``kv_trim``, ``rotating_window``, ``cache_list`` and ``batch_kv``."""
-    from .rollback import CacheListRollback, KVTrimRollback, RotatingWindowRollback
+    from .rollback import (
+        BatchKVRollback,
+        CacheListRollback,
+        KVTrimRollback,
+        RotatingWindowRollback,
+    )
 
     register(
         "kv_trim", KVTrimRollback, description="KVCache / QuantizedKVCache: trim the rejected tail"
@@ -60,8 +65,6 @@ def specdec_register_cache_rollbacks(register):
         description="RotatingKVCache, exact also after the window wrapped",
     )
     register("cache_list", CacheListRollback, description="CacheList: delegate each child")
-    from .batch import BatchKVRollback
-
     register(
         "batch_kv",
         BatchKVRollback,

@@ -50,10 +50,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .coordinate import Coordinator
 from .errors import ModelLoadError, SpecdecError
 
 __all__ = [
     "DistributedError",
+    "RankCoordinator",
     "RankSync",
     "SHARDING_KINDS",
     "Sharding",
@@ -772,6 +774,84 @@ class RankSync:
             "block_overrides": st.overrides,
             "q_broadcasts": st.q_broadcasts,
         }
+
+
+class RankCoordinator(Coordinator):
+    """A request's coordinator on a sharded model: keeps this rank in step with the others
+    (see :class:`RankSync`): rank 0's seed, one synchronisation before each verify
+    forward and one at the end; a failure on this rank completes the forward the other
+    ranks run and tells them at their next synchronisation."""
+
+    local = False
+
+    def __init__(self, ranks: RankSync, model: Any):
+        self.ranks = ranks
+        self.model = model
+        self.sync = ranks.open()
+
+    def start(self, state: Any) -> None:
+        s, req = state.sampler, state.request
+        request = [
+            req.max_tokens,
+            round(s.temperature * 1e6),
+            round(s.top_p * 1e6),
+            s.top_k,
+            round(s.min_p * 1e6),
+            s.min_tokens_to_keep,
+            len(state.stop_ids),
+            *sorted(state.stop_ids)[:8],
+            len(req.stop),
+            len(state.processors),
+            req.prefill_step_size,
+        ]
+        seed = self.ranks.start(self.sync, state.history, request, s.seed)
+        state.sampler = attrs.evolve(s, seed=seed)
+
+    def opened(self, state: Any) -> None:
+        self.ranks.opened(self.sync, state.history, len(state.sessions))
+
+    def prefill_failed(self, exc: BaseException, logits: Any, chunk: Sequence[int]) -> None:
+        # Go on: the other ranks feed every chunk; this rank says so at the first round.
+        if logits is not None:  # the chunk's forward was built: run it to the end
+            mx.eval(logits)
+        else:
+            self.rerun(chunk)
+
+    def rerun(self, tokens: Sequence[int]) -> None:
+        """A forward of the model over ``tokens`` without caches, for a rank that owes the
+        other ranks a forward it never built (it failed after the round's
+        synchronisation, or part-way through building it): the collectives stay paired
+        (their shapes depend only on how many tokens are fed), and nothing depends on
+        caches a failed forward may have half-written."""
+        mx.eval(self.model(mx.array([list(tokens)])))
+
+    def round(self, state: Any, rnd: Any) -> None:
+        self.ranks.round(self.sync, state.history, rnd)
+
+    def built(self, out: Any) -> None:
+        self.ranks.built(self.sync, out)
+
+    def round_done(self) -> None:
+        self.ranks.round_done(self.sync)
+
+    def finish(self, state: Any) -> None:
+        self.ranks.finish(self.sync, state.history)
+
+    def fail(self, state: Any, exc: BaseException | None, *, opening: bool = False) -> None:
+        if isinstance(exc, DistributedError):
+            return  # raised alike on every rank at a synchronisation: nothing owed
+        if opening:
+            self.ranks.fail(self.sync, state.history, exc, phase=START)
+        elif exc is None:  # the consumer closed the stream
+            self.ranks.fail(self.sync, state.history, None)
+        else:
+            self.ranks.fail(self.sync, state.history, exc, rerun=self.rerun)
+
+    def stats(self, state: Any) -> dict:
+        # the synchronisation at the end of the request counts too
+        return self.ranks.stats(
+            self.sync, state.prefill_forwards, state.emitter.n_out, final_sync=True
+        )
 
 
 def _note(exc: BaseException | None, text: str) -> None:

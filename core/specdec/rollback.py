@@ -9,6 +9,8 @@
   (mlx-lm's own ``trim`` only moves an index and leaves the rejected keys in
   the buffer, where a later in-place update finds them).
 * ``cache_list``: ``CacheList`` and other composites, by delegating each child.
+* ``batch_kv``: mlx-lm's ``BatchKVCache``, rows of a batch rolled back by different
+  amounts (:class:`BatchKVRollback`).
 
 A cache nothing can roll back (mlx-lm's ``ArraysCache`` for instance) makes
 the request fall back to plain decoding, with the reason in ``stats``.
@@ -16,6 +18,7 @@ the request fall back to plain decoding, with the reason in ``stats``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -312,3 +315,74 @@ def build_plan(host: Any, caches: list, *, model: Any = None, policy: Any = None
     if policy is not None and policy.rollback != "auto":
         forced = next(r for r, i in zip(rollbacks, infos) if i.name == policy.rollback)
     return RollbackPlan(caches, rollbacks, forced, model=model)
+
+
+#: Left padding shared by every row above which the batch cache is compacted.
+_COMPACT_AT = 256
+
+
+class _BatchKVTransaction:
+    """Per-row rollback of a ``BatchKVCache`` (see :class:`BatchKVRollback`)."""
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.idx = cache._idx
+        self.offset = cache.offset
+
+    def commit(self, n_fed: int, n_keep: int | Sequence[int]) -> None:
+        c = self.cache
+        rows = int(c.offset.shape[0])
+        keep = [int(n_keep)] * rows if isinstance(n_keep, int) else [int(k) for k in n_keep]
+        if len(keep) != rows or not all(0 <= k <= n_fed for k in keep):
+            raise ValueError(f"commit({n_fed}, {n_keep!r}) for a batch cache of {rows} rows")
+        top = max(keep)
+        if n_fed > top:
+            c.trim(n_fed - top)
+        drop = [top - k for k in keep]
+        if any(drop):
+            idx = c._idx
+            lp = c.left_padding.tolist()
+            for r, d in enumerate(drop):
+                n = min(d, idx - d - lp[r])  # the row's oldest entries that fill its holes
+                if d and n > 0:
+                    src, dst = slice(lp[r], lp[r] + n), slice(idx - n, idx)
+                    c.keys[r : r + 1, :, dst, :] = c.keys[r : r + 1, :, src, :]
+                    c.values[r : r + 1, :, dst, :] = c.values[r : r + 1, :, src, :]
+            d = mx.array(drop)
+            c.left_padding = c.left_padding + d
+            c.offset = c.offset - d
+            shared = min(a + b for a, b in zip(lp, drop))
+            if shared >= _COMPACT_AT and c.keys is not None:
+                c.keys = c.keys[..., shared:, :]
+                c.values = c.values[..., shared:, :]
+                c._idx -= shared
+                c.left_padding = c.left_padding - shared
+
+    def abort(self) -> None:
+        c = self.cache
+        if c._idx > self.idx:
+            c.trim(c._idx - self.idx)
+        c.offset = self.offset
+
+
+class BatchKVRollback:
+    """Rollback of mlx-lm's ``BatchKVCache`` rows by different amounts.
+
+    ``commit(n_fed, n_keep)`` takes one ``n_keep`` for every row or a sequence with
+    one per row. All rows drop the rejected tail they share (a trim); a row that
+    keeps ``d`` entries fewer than the row keeping most moves its ``d`` oldest
+    entries into the ``d`` slots at its end and grows its left padding by ``d``, so
+    its valid entries stay contiguous and right-aligned. When every row's left
+    padding passes 256 the shared padding is cut off.
+    """
+
+    name = "batch_kv"
+    supports_batch = True
+
+    def supports(self, cache: Any) -> bool:
+        """Exactly ``BatchKVCache``."""
+        return type(cache) is getattr(mlx_cache, "BatchKVCache", ())
+
+    def begin(self, cache: Any) -> _BatchKVTransaction:
+        """Remember the write index and the rows' offsets."""
+        return _BatchKVTransaction(cache)

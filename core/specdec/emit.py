@@ -1,0 +1,200 @@
+"""What a request's stream shows: committed tokens turned into responses.
+
+One :class:`Emitter` per request does the detokenizing, stop strings, stop tokens
+and ``max_tokens``; the single-request and batch drivers both push each round's
+committed tokens into it and hand on the :class:`StreamResponse` objects it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from .stats import Stats
+
+__all__ = ["Emitter", "GenerationResult", "StreamResponse"]
+
+
+@attrs.frozen
+class StreamResponse:
+    """One committed token.
+
+    Attributes:
+        text: the new text segment (incrementally detokenized; may be empty).
+        token: the token id.
+        from_draft: whether the token was a drafted token that the target accepted.
+        position: absolute position of the token.
+        finish_reason: ``None``, or ``"stop"``/``"length"`` on the last response.
+        stats: the request's :class:`Stats` (final on the last response).
+        is_stop_token: the last response of a stream ended by a stop token carries
+            that token here; it is not part of the output (as in mlx-lm).
+    """
+
+    text: str
+    token: int
+    from_draft: bool
+    position: int
+    finish_reason: str | None = None
+    stats: Stats | None = None
+    is_stop_token: bool = False
+
+
+@attrs.frozen
+class GenerationResult:
+    """The whole output of :meth:`Pipeline.generate` (``tokens`` excludes a final stop token)."""
+
+    text: str
+    tokens: list
+    stats: Stats
+    finish_reason: str | None
+
+
+class _NaiveDetokenizer:
+    """Incremental text for tokenizers without mlx-lm's streaming detokenizer."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+        self.last_segment = ""
+
+    def reset(self) -> None:
+        self.tokens, self.text, self.last_segment = [], "", ""
+
+    def add_token(self, tok: int) -> None:
+        self.tokens.append(tok)
+        if self.tokenizer is None:
+            self.last_segment = ""
+            return
+        new = self.tokenizer.decode(self.tokens)
+        if new.endswith("\ufffd"):  # incomplete UTF-8: wait for more bytes
+            self.last_segment = ""
+            return
+        self.last_segment, self.text = new[len(self.text) :], new
+
+    def finalize(self) -> None:
+        if self.tokenizer is None:
+            self.last_segment = ""
+            return
+        new = self.tokenizer.decode(self.tokens)
+        self.last_segment, self.text = new[len(self.text) :], new
+
+
+def detokenizer(tokenizer: Any) -> Any:
+    """A fresh incremental detokenizer: mlx-lm's streaming one when the tokenizer has it."""
+    detok = getattr(tokenizer, "detokenizer", None) if tokenizer is not None else None
+    if detok is None:
+        detok = _NaiveDetokenizer(tokenizer)
+    detok.reset()
+    return detok
+
+
+class Emitter:
+    """A request's output side: ``push`` the committed tokens of a round, get responses.
+
+    Args:
+        tokenizer: for the text (``None``: empty text segments).
+        stop_ids: token ids that end the stream (not emitted: the last response carries
+            the token with ``is_stop_token``).
+        stop_strings: strings that end the stream (text is held back while it could
+            begin one; the output is cut before it).
+        max_tokens: the exact number of tokens emitted at most.
+        stats: the request's statistics (the responses carry them).
+        on_end: called with the finish reason before the last response is made, to
+            complete ``stats``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop_ids: frozenset[int],
+        stop_strings: Sequence[str],
+        max_tokens: int,
+        stats: Stats,
+        on_end: Callable[[str], None],
+    ):
+        self.detok = detokenizer(tokenizer)
+        self.stop_ids = stop_ids
+        self.stop_strings = tuple(stop_strings)
+        self.max_tokens = max_tokens
+        self.stats = stats
+        self.on_end = on_end
+        #: tokens emitted so far (a stop token is not counted).
+        self.n_out = 0
+        #: the text emitted so far.
+        self.text = ""
+        #: whether the stream has ended (the last response was returned).
+        self.done = False
+        self._pending = ""
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the stream may still emit."""
+        return self.max_tokens - self.n_out
+
+    def push(self, tokens: Sequence[int], n_drafted: int, position: int) -> list[StreamResponse]:
+        """Responses for the tokens a round committed at ``position`` on; the first
+        ``n_drafted`` of them were accepted drafts. After the last response
+        (``finish_reason`` set) :attr:`done` is True and the rest of ``tokens`` is dropped."""
+        out: list[StreamResponse] = []
+        detok = self.detok
+        for i, tok in enumerate(tokens):
+            drafted, pos = i < n_drafted, position + i
+            if tok in self.stop_ids:
+                detok.finalize()
+                out.append(self._end(detok.last_segment, tok, drafted, "stop", pos, True))
+                return out
+            detok.add_token(tok)
+            seg = detok.last_segment
+            self.n_out += 1
+            hits: list[int] = []
+            if self.stop_strings:
+                # Text that could begin a stop string is held back until it cannot.
+                buf = self._pending + seg
+                hits = [buf.find(s) for s in self.stop_strings if s in buf]
+                if hits:
+                    out.append(self._end(buf[: min(hits)], tok, drafted, "stop", pos))
+                    return out
+                hold = max(len(s) for s in self.stop_strings) - 1
+                cut = max(0, len(buf) - hold)
+                seg, self._pending = buf[:cut], buf[cut:]
+            if self.n_out >= self.max_tokens:
+                detok.finalize()
+                seg += detok.last_segment
+                if self.stop_strings:
+                    tail = self._pending + detok.last_segment
+                    hits = [tail.find(s) for s in self.stop_strings if s in tail]
+                    seg = seg[: len(seg) - len(detok.last_segment)] + (
+                        tail[: min(hits)] if hits else tail
+                    )
+                    self._pending = ""
+                reason = "stop" if self.stop_strings and hits else "length"
+                out.append(self._end(seg, tok, drafted, reason, pos))
+                return out
+            self.text += seg
+            out.append(
+                StreamResponse(
+                    text=seg, token=tok, from_draft=drafted, position=pos, stats=self.stats
+                )
+            )
+        return out
+
+    def _end(
+        self, seg: str, tok: int, drafted: bool, reason: str, pos: int, stop_token: bool = False
+    ) -> StreamResponse:
+        self.done = True
+        self.stats.generation_tokens = self.n_out
+        self.stats.finish_reason = reason
+        self.on_end(reason)
+        self.text += seg
+        return StreamResponse(
+            text=seg,
+            token=tok,
+            from_draft=drafted,
+            position=pos,
+            finish_reason=reason,
+            stats=self.stats,
+            is_stop_token=stop_token,
+        )

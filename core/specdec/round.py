@@ -1,0 +1,293 @@
+"""The phases of a round, each in one place: plan → (coordinate) → verify → accept →
+roll back → observe → (emit).
+
+The single-request driver (:mod:`specdec.single`) and the batch driver
+(:mod:`specdec.batch`) call these functions; neither has a copy of its own.
+
+- :func:`plan`: the governor's budget, the drafter sessions in policy order, shadow
+  proposals; fills a :class:`Round`'s block.
+- :func:`settle`: the block becomes a tuple of ints (the one named point where a lazy
+  block is read back).
+- :func:`count_block`: the block-size histogram (after the coordinator agreed on it).
+- :func:`choose_acceptor`, :func:`process`, :func:`accept`: logits processors, the
+  acceptor and its bounds check.
+- :func:`result`: the accepted round counted in the stats and described to the sessions.
+- :func:`observe`: the history grows; sessions and governor learn the outcome.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from .acceptors import auto_acceptor
+from .roles import Acceptance, RoundResult, VerifyResult
+
+__all__ = [
+    "Round",
+    "RoundKind",
+    "accept",
+    "choose_acceptor",
+    "count_block",
+    "observe",
+    "plan",
+    "process",
+    "result",
+    "settle",
+]
+
+
+class RoundKind(enum.Enum):
+    """What a round is."""
+
+    #: a request without drafter sessions: one token fed, its sample drawn lazily.
+    PLAIN = "plain"
+    #: a request with drafter sessions: ``[last, *block]`` fed (the block may be empty).
+    SPECULATIVE = "speculative"
+    #: a plain step queued ahead on the previous round's lazily sampled token.
+    LOOKAHEAD = "lookahead"
+
+
+@attrs.define
+class Round:
+    """One round: what was planned, fed, and is in flight.
+
+    Attributes:
+        kind: what the round is.
+        position: absolute position of the round's first committed token.
+        block: the drafted tokens (a tuple, or a lazy ``mx.array`` until :func:`settle`).
+        q: the block's draft probabilities, or ``None``.
+        chosen: the drafter whose block is verified (``None``: nothing drafted).
+        proposals / shadows: as :class:`specdec.RoundResult`.
+        acceptor: the name of the acceptor that decides the round.
+        n_fed: tokens fed to the verify forward (``1 + len(block)``).
+        txn: the open rollback transaction.
+        vr: the lazy verify result; ``logits`` the processed logits.
+        projected: greedy acceptance reads ``project_row(i)`` position by position
+            (:attr:`rows`) instead of ``logits``, which stays unevaluated.
+        token: a plain step's or lookahead's lazily sampled token.
+        fed: a lookahead's input (the round before's lazy sample).
+        committed: the transaction was committed already (a lookahead was queued on it).
+        next_sample: the lazy sample of a round that drafted nothing, which the
+            lookahead after it was fed.
+        t_launch: when the verify forward was queued.
+    """
+
+    kind: RoundKind
+    position: int
+    block: Any = ()
+    q: Any = None
+    chosen: str | None = None
+    proposals: dict = attrs.field(factory=dict)
+    shadows: dict = attrs.field(factory=dict)
+    acceptor: str | None = None
+    n_fed: int = 1
+    txn: Any = None
+    vr: Any = None
+    logits: Any = None
+    projected: bool = False
+    rows: Any = None
+    token: Any = None
+    fed: Any = None
+    committed: bool = False
+    next_sample: Any = None
+    t_launch: float = 0.0
+
+    @property
+    def block_size(self) -> int:
+        """Drafted tokens (no host sync for a lazy block)."""
+        if self.chosen is None:
+            return 0
+        b = self.block
+        return len(b) if isinstance(b, tuple) else int(b.shape[0])
+
+
+def is_lazy(block: Any) -> bool:
+    """Whether a block is still a lazy array (not yet :func:`settle`-d)."""
+    return not isinstance(block, tuple)
+
+
+def settle(rnd: Round) -> tuple:
+    """The block as a tuple of ints (reading a lazy block back: the one host sync of the
+    drafter's output), recorded as the winner's proposal too."""
+    if is_lazy(rnd.block):
+        rnd.block = tuple(int(t) for t in rnd.block.tolist())
+        if rnd.chosen is not None:
+            rnd.proposals[rnd.chosen] = rnd.block
+    elif rnd.block and not all(type(t) is int for t in rnd.block):
+        rnd.block = tuple(int(t) for t in rnd.block)
+    return rnd.block
+
+
+def plan(state: Any, policy: Any, rnd: Round) -> None:
+    """Ask the governor and the drafters, in policy order, for this round's block.
+
+    The first session that proposes at least ``policy.min_block`` tokens wins; sessions
+    the governor gives no budget are asked for a shadow proposal instead when the
+    governor scores them.
+    """
+    limit = min(policy.max_block, state.emitter.remaining - 1)
+    if limit < policy.min_block:
+        return
+    gov = state.governor
+    shadows = gov is not None and getattr(gov, "wants_shadows", True)
+    for name, s in state.sessions:
+        budget = min(gov.budget(name, limit), limit) if gov is not None else limit
+        if budget < policy.min_block:
+            fn = getattr(s, "shadow", None) if shadows else None
+            if fn is not None:
+                _shadow(state, rnd, name, fn, limit)
+            continue
+        draft = s.propose(state.history, budget)
+        if draft is None or draft.size < policy.min_block:
+            continue
+        rnd.proposals[name] = draft.tokens
+        rnd.block = draft.tokens[:budget]
+        rnd.q = None if draft.probs is None else draft.probs[:budget]
+        rnd.chosen = name
+        return
+
+
+def _shadow(state: Any, rnd: Round, name: str, shadow: Any, limit: int) -> None:
+    """Ask a session the governor refused what it would have proposed (shadow scoring)."""
+    t0 = time.perf_counter()
+    draft = shadow(state.history, limit)
+    if draft is not None and draft.size:
+        toks = draft.tokens
+        rnd.shadows[name] = tuple(toks.tolist()) if is_lazy(toks) else tuple(toks)
+        state.stats.shadow_proposals += 1
+    state.stats.shadow_time_s += time.perf_counter() - t0
+
+
+def count_block(stats: Any, rnd: Round) -> None:
+    """Count the round's block in the block-size histogram (0: nothing drafted)."""
+    k = rnd.block_size
+    stats.block_sizes[k] = stats.block_sizes.get(k, 0) + 1
+
+
+def choose_acceptor(policy: Any, sampler: Any, rnd: Round) -> None:
+    """The policy's acceptor, or for ``auto`` the one the sampler and ``q`` call for."""
+    if policy.acceptor == "auto":
+        rnd.acceptor = auto_acceptor(sampler, rnd.q is not None)
+    else:
+        rnd.acceptor = policy.acceptor
+
+
+def process(logits: mx.array, history: list, block: Sequence[int], processors: list) -> mx.array:
+    """Apply the logits processors to every verified position, each with its own history
+    (the committed tokens, then the block's tokens before it)."""
+    if not processors:
+        return logits
+    hist = mx.array(history)
+    rows = []
+    for i in range(logits.shape[0]):
+        h = hist if i == 0 else mx.concatenate([hist, mx.array(list(block[:i]))])
+        r = logits[i : i + 1]
+        for p in processors:
+            r = p(h, r)
+        rows.append(r)
+    return mx.concatenate(rows, axis=0).astype(mx.float32)
+
+
+def accept(acceptors: dict, rnd: Round, sampler: Any) -> Acceptance:
+    """The round's acceptor over its (processed) logits, its answer checked.
+
+    Raises:
+        RuntimeError: the acceptor accepted more tokens than the block has, or fewer than 0.
+    """
+    positions = range(rnd.position, rnd.position + rnd.n_fed)
+    acc = acceptors[rnd.acceptor].accept(rnd.block, rnd.q, rnd.logits, sampler, positions)
+    return checked(rnd, acc)
+
+
+def checked(rnd: Round, acc: Acceptance) -> Acceptance:
+    """``acc`` with plain ints, after checking it accepts a prefix of the block."""
+    n_acc = int(acc.n_accepted)
+    if not 0 <= n_acc <= len(rnd.block):
+        raise RuntimeError(
+            f"acceptor {rnd.acceptor!r} accepted {n_acc} of a {len(rnd.block)}-token block"
+        )
+    return Acceptance(n_accepted=n_acc, token=int(acc.token))
+
+
+def accept_rows(stats: Any, rnd: Round) -> Acceptance:
+    """Greedy acceptance projecting the target's logits one position at a time, until
+    the first position whose argmax is not the drafted token (the positions after it
+    are never projected)."""
+    block = rnd.block
+    i = 0
+    while True:
+        tok = int(mx.argmax(rnd.rows(i), axis=-1).item())
+        if i == len(block) or tok != block[i]:
+            break
+        i += 1
+    rp = stats.row_projection
+    rp["rounds"] = rp.get("rounds", 0) + 1
+    rp["rows"] = rp.get("rows", 0) + i + 1
+    rp["skipped"] = rp.get("skipped", 0) + len(block) - i
+    return Acceptance(n_accepted=i, token=tok)
+
+
+def result(state: Any, rnd: Round, n_acc: int, token: int) -> RoundResult:
+    """Count an accepted round in the stats and describe it to the sessions."""
+    stats, block = state.stats, rnd.block
+    if state.sessions:  # plain decoding (a plain row of a batch) counts no acceptor
+        stats.acceptors[rnd.acceptor] = stats.acceptors.get(rnd.acceptor, 0) + 1
+    if rnd.chosen is not None:
+        stats.drafted += len(block)
+        stats.accepted += n_acc
+        stats.rounds_with_draft += 1
+        pd = stats.per_drafter[rnd.chosen]
+        pd["rounds"] += 1
+        pd["drafted"] += len(block)
+        pd["accepted"] += n_acc
+    return RoundResult(
+        drafter=rnd.chosen,
+        block=tuple(block),
+        n_accepted=n_acc,
+        token=token,
+        committed=(*block[:n_acc], token),
+        verify=rnd.vr,
+        start_position=rnd.position,
+        proposals={k: tuple(v.tolist()) if is_lazy(v) else v for k, v in rnd.proposals.items()},
+        shadows=rnd.shadows,
+    )
+
+
+def plain_result(rnd: Round, token: int, verify: VerifyResult | None) -> RoundResult:
+    """A round that drafted nothing and committed ``token``."""
+    return RoundResult(
+        drafter=None,
+        block=(),
+        n_accepted=0,
+        token=token,
+        committed=(token,),
+        verify=verify,
+        start_position=rnd.position,
+        shadows=rnd.shadows,
+    )
+
+
+def observe(state: Any, res: RoundResult) -> None:
+    """A committed round: the history grows, the sessions and the governor see it."""
+    stats = state.stats
+    stats.target_forwards += 1
+    state.history.extend(res.committed)
+    for _, s in state.sessions:
+        s.observe(res)
+    gov = state.governor
+    if gov is None:
+        return
+    if res.drafter is not None:
+        gov.observe(res.drafter, len(res.block), res.n_accepted)
+    if res.shadows:
+        t0 = time.perf_counter()
+        gov.observe_round(res)
+        stats.shadow_time_s += time.perf_counter() - t0
+    else:
+        gov.observe_round(res)
