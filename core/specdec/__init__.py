@@ -28,7 +28,8 @@ if _blas_status.action == "too_late":
         stacklevel=2,
     )
 
-from . import distributed, options, training
+from . import options, training
+from .assembly import assemble
 from .batch import Batch, BatchEvent
 from .capture import ModelTaps, TapError, model_taps
 from .costs import (
@@ -41,8 +42,8 @@ from .costs import (
     profile_verify_cost,
 )
 from .depth import AdaptiveDepth
-from .distributed import DistributedError
 from .errors import (
+    DistributedError,
     ModelLoadError,
     PluginConflictError,
     PolicyError,
@@ -55,10 +56,11 @@ from .hookspecs import hookimpl
 from .kvview import KVView, kv_view, kv_views
 from .loading import model_source, set_model_source
 from .paths import cache_dir
-from .pipeline import GenerationResult, Pipeline, StreamResponse, assemble
-from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host
+from .pipeline import GenerationResult, Pipeline, StreamResponse
+from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host, rollback_plan
 from .policy import DEFAULT_POLICY, PRESETS, Policy, default_policy, load_policy
 from .progress import Progress
+from .request import Request
 from .roles import (
     CAPABILITIES,
     ROLES,
@@ -82,14 +84,12 @@ from .roles import (
     Verifier,
     VerifyResult,
 )
-from .request import Request
 from .rollback import (
     BatchKVRollback,
     KVTrimRollback,
     RollbackPlan,
     RollbackUnavailable,
     RotatingWindowRollback,
-    rollback_plan,
 )
 from .sampling import STREAM_DRAFT, Sampler, validate_request
 from .shadow import ShadowScore
@@ -171,7 +171,6 @@ __all__ = [
     "model_source",
     "model_taps",
     "model_vocab_size",
-    "distributed",
     "options",
     "training",
     "output_layer",
@@ -182,3 +181,13 @@ __all__ = [
     "validate_request",
     "RoundOverhead",
 ]
+
+
+def __getattr__(name: str):
+    # Submodules that `import specdec` does not load (they pull in what most uses of
+    # specdec never need): loaded on first access, as `specdec.distributed`.
+    if name in ("distributed",):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")

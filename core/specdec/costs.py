@@ -284,10 +284,6 @@ def profile_verify_cost(
         ValueError: empty or non-increasing widths or contexts, or repeats < 1.
         RuntimeError: the model's caches cannot be rolled back (nothing to profile with).
     """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from .attention import verify_attention
-    from .rollback import rollback_plan
     from .verifiers import LogitsVerifier
 
     widths = tuple(int(w) for w in widths)
@@ -301,50 +297,16 @@ def profile_verify_cost(
     if not cs:
         raise ValueError(f"no context length to profile in {tuple(contexts)}")
     verifier = verifier or LogitsVerifier()
-    vocab = model_vocab_size(model) or 256
     total = len(cs) * len(widths) * (repeats + 1)
-    done = 0
+    done = [0]
+
+    def tick(label: str) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total, label)
+
     t_start = time.perf_counter()
-    rows = []
-    for ctx_len in cs:
-        caches = make_prompt_cache(model)
-        prompt = mx.random.randint(
-            0, vocab, (ctx_len,), key=mx.random.key(seed * 1_000_003 + ctx_len)
-        )
-        for s in range(0, ctx_len, 512):
-            with verify_attention():
-                verifier.verify(model, prompt[s : s + 512], caches)
-            mx.eval(_state(caches))
-        plan = rollback_plan(caches, model=model, host=host)
-        if not plan.ok:
-            raise RuntimeError(f"cannot profile verify cost: {plan.reason}")
-        block = mx.random.randint(
-            0, vocab, (widths[-1],), key=mx.random.key(seed * 1_000_003 + ctx_len + 1)
-        )
-        mx.eval(block)
-        times: dict[int, list[float]] = {w: [] for w in widths}
-        for rep in range(repeats + 1):
-            order = widths if rep % 2 == 0 else tuple(reversed(widths))
-            for w in order:
-                txn = plan.begin()
-                t0 = time.perf_counter()
-                with verify_attention():
-                    vr = verifier.verify(model, block[:w], caches)
-                mx.eval(vr.logits)
-                dt = time.perf_counter() - t0
-                txn.abort()
-                mx.eval(_state(caches))
-                if rep > 0:
-                    times[w].append(dt)
-                done += 1
-                if progress is not None:
-                    progress(done, total, f"context {ctx_len}, width {w}")
-        row: list[float] = []
-        for w in widths:
-            v = min(times[w])
-            row.append(max(v, row[-1]) if row else v)
-        rows.append(tuple(row))
-        del caches
+    rows = [_profile_context(model, verifier, c, widths, repeats, host, seed, tick) for c in cs]
     return VerifyCostCurve(
         widths=widths,
         contexts=tuple(cs),
@@ -353,6 +315,59 @@ def profile_verify_cost(
         key=model_fingerprint(model, verifier),
         profile_time_s=time.perf_counter() - t_start,
     )
+
+
+def _profile_context(
+    model: Any,
+    verifier: Any,
+    ctx_len: int,
+    widths: tuple[int, ...],
+    repeats: int,
+    host: Any,
+    seed: int,
+    tick: Callable[[str], None],
+) -> tuple[float, ...]:
+    """One row of the curve: the fastest verify forward of each width after ``ctx_len``
+    random tokens (see :func:`profile_verify_cost`), made non-decreasing in the width."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .attention import verify_attention
+    from .plugins import rollback_plan
+
+    vocab = model_vocab_size(model) or 256
+    caches = make_prompt_cache(model)
+    prompt = mx.random.randint(0, vocab, (ctx_len,), key=mx.random.key(seed * 1_000_003 + ctx_len))
+    for s in range(0, ctx_len, 512):
+        with verify_attention():
+            verifier.verify(model, prompt[s : s + 512], caches)
+        mx.eval(_state(caches))
+    plan = rollback_plan(caches, model=model, host=host)
+    if not plan.ok:
+        raise RuntimeError(f"cannot profile verify cost: {plan.reason}")
+    block = mx.random.randint(
+        0, vocab, (widths[-1],), key=mx.random.key(seed * 1_000_003 + ctx_len + 1)
+    )
+    mx.eval(block)
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for rep in range(repeats + 1):
+        order = widths if rep % 2 == 0 else tuple(reversed(widths))
+        for w in order:
+            txn = plan.begin()
+            t0 = time.perf_counter()
+            with verify_attention():
+                vr = verifier.verify(model, block[:w], caches)
+            mx.eval(vr.logits)
+            dt = time.perf_counter() - t0
+            txn.abort()
+            mx.eval(_state(caches))
+            if rep > 0:
+                times[w].append(dt)
+            tick(f"context {ctx_len}, width {w}")
+    row: list[float] = []
+    for w in widths:
+        v = min(times[w])
+        row.append(max(v, row[-1]) if row else v)
+    return tuple(row)
 
 
 class RoundOverhead:

@@ -51,7 +51,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .coordinate import Coordinator
-from .errors import ModelLoadError, SpecdecError
+from .errors import DistributedError, ModelLoadError
 
 __all__ = [
     "DistributedError",
@@ -72,11 +72,6 @@ __all__ = [
 LAUNCH_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MLX_JACCL_COORDINATOR")
 
 _SHARDING_ATTR = "_specdec_sharding"
-
-
-class DistributedError(SpecdecError, RuntimeError):
-    """The ranks of a sharded model disagreed, or one of them failed: the request ended
-    on every rank."""
 
 
 def launched_world() -> Any:

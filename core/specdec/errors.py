@@ -25,3 +25,8 @@ class RequestError(SpecdecError, ValueError):
 
 class ModelLoadError(SpecdecError, ValueError):
     """A model or draft model cannot be loaded or does not fit the target."""
+
+
+class DistributedError(SpecdecError, RuntimeError):
+    """The ranks of a sharded model disagreed, or one of them failed: the request ended
+    on every rank."""

@@ -10,32 +10,18 @@ to the batch driver (:mod:`specdec.batch`). Both call the phases of
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import attrs
-
-from .composition import check_batch, check_needs
-from .coordinate import Solo
+from .composition import check_needs
+from .coordinate import Coordinator, Solo
 from .costs import CostModel
-from .distributed import (
-    SHARDING_KINDS,
-    DistributedError,
-    RankCoordinator,
-    RankSync,
-    adopt_sharding,
-    launched_world,
-    looks_sharded,
-    model_sharding,
-    shard_model,
-)
 from .emit import GenerationResult, StreamResponse
 from .errors import ModelLoadError, PolicyError, RequestError, UnknownComponentError
 from .heads import model_vocab_size
 from .lifecycle import RequestState, new_state
 from .plugins import PluginHost, get_plugin_host
-from .policy import AUTO, DEFAULT_POLICY, Policy, load_policy
+from .policy import AUTO, Policy
 from .request import Request, prompt_ids
 from .roles import RoundResult
 from .sampling import validate_request
@@ -45,7 +31,6 @@ __all__ = [
     "GenerationResult",
     "Pipeline",
     "StreamResponse",
-    "assemble",
     "validate_request",
 ]
 
@@ -72,11 +57,11 @@ class Pipeline:
         self.sharding = self._find_sharding()
         #: the ranks' synchronisation when the model is sharded (each request's
         #: coordinator uses it).
-        self.ranks = (
-            RankSync(self.sharding, policy.max_block, self.drafters)
-            if self.sharding is not None
-            else None
-        )
+        self.ranks: Any = None
+        if self.sharding is not None:
+            from .distributed import RankSync
+
+            self.ranks = RankSync(self.sharding, policy.max_block, self.drafters)
         #: Whether idle rounds may be queued ahead: no drafter reads the caches in
         #: propose (see :class:`specdec.single.SingleDriver`).
         self.lookahead = not any("kv" in getattr(d, "needs", ()) for d in self.drafters)
@@ -156,16 +141,18 @@ class Pipeline:
         return verifier
 
     def _find_sharding(self) -> Any:
-        sharding = model_sharding(self.model)
-        if sharding is None and looks_sharded(self.model):
+        from . import distributed as dist  # not loaded by `import specdec`
+
+        sharding = dist.model_sharding(self.model)
+        if sharding is None and dist.looks_sharded(self.model):
             # sharded elsewhere (mlx-lm's sharded_load) and handed to Pipeline directly
-            world = launched_world()
+            world = dist.launched_world()
             if world is None:
                 raise PolicyError(
                     "the model is sharded (its forward issues collectives) but this process is "
                     "not one of several ranks: run it under mlx.launch"
                 )
-            sharding = adopt_sharding(self.model, world)
+            sharding = dist.adopt_sharding(self.model, world)
         return sharding
 
     def prepare(self, progress: Callable[[int, int, str], None] | None = None) -> None:
@@ -400,111 +387,13 @@ class Pipeline:
             RequestError: bad arguments, before any model work.
         """
         state = self.request_state(prompt, request, kwargs)
-        coord = Solo() if self.ranks is None else RankCoordinator(self.ranks, self.model)
-        return SingleDriver(self, state, coord, on_round).run()
+        return SingleDriver(self, state, self.coordinator(), on_round).run()
 
+    def coordinator(self) -> Coordinator:
+        """A fresh coordinator for one request: :class:`specdec.coordinate.Solo` in one
+        process, a rank coordinator on a model sharded across ranks."""
+        if self.ranks is None:
+            return Solo()
+        from .distributed import RankCoordinator
 
-def assemble(
-    model_or_path: Any = None,
-    tokenizer: Any = None,
-    policy: Policy | str | os.PathLike | dict | None = DEFAULT_POLICY,
-    *,
-    draft_model: Any = None,
-    host: PluginHost | None = None,
-    distributed: bool | None = None,
-    sharding: str = "auto",
-) -> Pipeline:
-    """Build a :class:`Pipeline` from a model (or path / Hub id) and a policy.
-
-    Args:
-        model_or_path: an mlx-lm model, a model folder, a Hub id, or ``None`` for
-            the built-in default model.
-        tokenizer: the tokenizer when ``model_or_path`` is a model object (optional:
-            without one, prompts must be token ids).
-        policy: a :class:`Policy`, preset name, TOML path or dict; by default
-            ``"default"`` (:func:`specdec.default_policy`: the ``copy`` preset when
-            specdec-plugin-ngram and specdec-plugin-copy-governor are installed, else
-            ``none``). ``"none"`` (or ``None``) is plain decoding.
-        draft_model: shorthand: adds the ``draft_model`` drafter with this model (path or
-            object) to ``policy``; with ``policy`` left at ``"default"`` it drafts alone.
-        host: a plugin host (default: the process-wide one).
-        distributed: shard the model across the ranks of a distributed job (this process
-            started by ``mlx.launch`` or ``mpirun`` as one of several ranks; see
-            :mod:`specdec.distributed`). ``None`` (default): a model loaded from a path is
-            sharded when the process is one of several ranks, and a model object is used
-            as it is (already sharded, e.g. by mlx-lm's ``sharded_load``: its ranks are
-            kept in step; else a whole model on every rank, decoding independently).
-            ``True``: shard a model object too, in place, and fail when this process is
-            not one of several ranks. ``False``: never shard.
-        sharding: how to shard (see :func:`specdec.distributed.shard_model`):
-            ``"auto"`` (tensor parallel where the model allows it, else pipeline
-            parallel, as mlx-lm's ``sharded_load``), ``"tensor"`` or ``"pipeline"``.
-
-    Raises:
-        PolicyError / UnknownComponentError: bad policy or component names (before loading the model).
-        ModelLoadError: the model cannot be loaded, or cannot be split across the ranks.
-        DistributedError: ``distributed=True`` in a process that is not one of several ranks.
-    """
-    h = host or get_plugin_host()
-    pol = load_policy(policy, host=h, draft_model=draft_model is not None)
-    if draft_model is not None:
-        if "draft_model" not in pol.drafters:
-            pol = attrs.evolve(pol, drafters=(*pol.drafters, "draft_model"))
-        pol = pol.with_options("draft_model", model=draft_model)
-    for n in pol.drafters:
-        info = h.get("drafter", n)
-        # Checks that need no model: capabilities and a named draft head.
-        check_needs(h, pol, n, getattr(info.factory, "needs", ()))
-        head = pol.options_for(n).get("head")
-        if isinstance(head, str):
-            try:
-                h.get("draft_head", head)
-            except UnknownComponentError as exc:
-                raise PolicyError(f"drafter {n!r}: option head: {exc}") from exc
-    if pol.governor:
-        h.get("governor", pol.governor)
-    h.get("verifier", pol.verifier)
-    if pol.max_batch > 1:
-        check_batch(h, pol)
-    if pol.acceptor != AUTO:
-        h.get("acceptor", pol.acceptor)
-    if pol.rollback != AUTO:
-        h.get("cache_rollback", pol.rollback)
-    if sharding not in SHARDING_KINDS:
-        raise PolicyError(f"sharding must be one of {', '.join(SHARDING_KINDS)}, got {sharding!r}")
-    world = None if distributed is False else launched_world()
-    if sharding != "auto" and world is None:
-        raise DistributedError(
-            f"sharding={sharding!r} splits a model across the ranks of a distributed job, "
-            "but this process is not one of several ranks (or distributed=False): start it "
-            "with mlx.launch, or leave sharding='auto'"
-        )
-    if distributed and world is None:
-        raise DistributedError(
-            "distributed=True, but this process is not one of several ranks: start it with "
-            "mlx.launch (e.g. mlx.launch --backend ring -n 2 --hosts 127.0.0.1 script.py) "
-            "or mpirun"
-        )
-    if model_or_path is None or isinstance(model_or_path, (str, os.PathLike)):
-        from .loading import check_model_path, load_model
-
-        if model_or_path is None:
-            try:
-                from .models.default import default_model_path
-            except (
-                ImportError
-            ) as exc:  # pragma: no cover - the default model module ships with the core
-                raise ModelLoadError(f"no default model available: {exc}") from exc
-            model_or_path = default_model_path()
-        check_model_path(model_or_path)
-        # Sharded: loaded lazily, so each rank materialises only its shard's weights.
-        model, tok = load_model(model_or_path, lazy=world is not None)
-        tokenizer = tokenizer or tok
-        if world is not None:
-            shard_model(model, world, sharding)
-    else:
-        model = model_or_path
-        # A model sharded elsewhere is adopted by Pipeline itself.
-        if distributed and model_sharding(model) is None and not looks_sharded(model):
-            shard_model(model, world, sharding)
-    return Pipeline(model, tokenizer, pol, host=h)
+        return RankCoordinator(self.ranks, self.model)

@@ -28,6 +28,7 @@ import pluggy
 from . import hookspecs
 from .errors import PluginConflictError, UnknownComponentError
 from .roles import ROLES
+from .rollback import RollbackPlan, build_plan
 
 ENTRY_POINT_GROUP = "specdec"
 CORE_DISTRIBUTION = "specdec-core"
@@ -398,3 +399,23 @@ def reset_plugin_host(host: PluginHost | None = None) -> None:
 def get_plugin_manager() -> pluggy.PluginManager:
     """The pluggy manager of the process-wide host."""
     return get_plugin_host().pm
+
+
+def rollback_plan(
+    caches: list, *, model: Any = None, host: Any = None, policy: Any = None
+) -> RollbackPlan:
+    """A :class:`RollbackPlan` over ``caches`` from every registered cache rollback (public API).
+
+    A drafter with a cache of its own (a draft model, an MTP head) rolls it back
+    with ``plan = specdec.rollback_plan(cache, model=m, host=ctx.host)``; then
+    ``txn = plan.begin()`` before feeding speculative tokens and
+    ``txn.commit(n_fed, n_keep)`` (or ``txn.abort()``) after. ``plan.ok`` says
+    whether every layer can be rolled back and ``plan.reason`` why not.
+
+    Args:
+        caches: the per-layer cache list.
+        model: the model owning ``caches`` (rollbacks that map caches to layers need it).
+        host: the plugin host (default: the process-wide one).
+        policy: a policy whose ``rollback`` and options apply (default: ``auto``).
+    """
+    return build_plan(host or get_plugin_host(), caches, model=model, policy=policy)

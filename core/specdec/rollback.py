@@ -273,30 +273,6 @@ class _NoRollback:
         """Nothing can be restored; the request is failing anyway."""
 
 
-def rollback_plan(
-    caches: list, *, model: Any = None, host: Any = None, policy: Any = None
-) -> RollbackPlan:
-    """A :class:`RollbackPlan` over ``caches`` from every registered cache rollback (public API).
-
-    A drafter with a cache of its own (a draft model, an MTP head) rolls it back
-    with ``plan = specdec.rollback_plan(cache, model=m, host=ctx.host)``; then
-    ``txn = plan.begin()`` before feeding speculative tokens and
-    ``txn.commit(n_fed, n_keep)`` (or ``txn.abort()``) after. ``plan.ok`` says
-    whether every layer can be rolled back and ``plan.reason`` why not.
-
-    Args:
-        caches: the per-layer cache list.
-        model: the model owning ``caches`` (rollbacks that map caches to layers need it).
-        host: the plugin host (default: the process-wide one).
-        policy: a policy whose ``rollback`` and options apply (default: ``auto``).
-    """
-    if host is None:
-        from .plugins import get_plugin_host
-
-        host = get_plugin_host()
-    return build_plan(host, caches, model=model, policy=policy)
-
-
 def build_plan(host: Any, caches: list, *, model: Any = None, policy: Any = None) -> RollbackPlan:
     """A :class:`RollbackPlan` over ``caches`` from every rollback registered with ``host``.
 

@@ -1044,7 +1044,7 @@ def run_training(args: Any, command: TrainCommand) -> int:
     import json
     import sys
 
-    from .pipeline import assemble
+    from .assembly import assemble
     from .progress import Progress
 
     out = _check_args(args)
@@ -1218,7 +1218,7 @@ def held_out_acceptance(
     import json
     from pathlib import Path
 
-    from .pipeline import assemble
+    from .assembly import assemble
 
     path = Path(folder) / DATA_FILE
     try:

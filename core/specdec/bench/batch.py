@@ -25,8 +25,8 @@ from typing import Any
 
 import attrs
 
+from ..assembly import assemble
 from ..errors import RequestError
-from ..pipeline import assemble
 from ..policy import Policy, load_policy
 from .workloads import Workload
 

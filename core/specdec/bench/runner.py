@@ -44,9 +44,10 @@ from typing import Any
 
 import attrs
 
+from ..assembly import assemble
 from ..errors import RequestError
 from ..options import parse_value
-from ..pipeline import Pipeline, assemble
+from ..pipeline import Pipeline
 from ..policy import Policy, load_policy
 from ..sampling import validate_request
 from .progress import Progress

@@ -29,7 +29,7 @@ from ..roles import (
     RequestContext,
     RoundResult,
 )
-from ..rollback import rollback_plan
+from ..rollback import build_plan
 from ..sampling import STREAM_DRAFT
 
 
@@ -116,7 +116,7 @@ class DraftModelSession(BaseDrafterSession):
         self.head = ctx.head
         self.backbone = model_taps(self.model).backbone if self.head is not None else None
         self.cache = make_prompt_cache(self.model)
-        self.plan = rollback_plan(self.cache, model=self.model, host=ctx.host)
+        self.plan = build_plan(ctx.host, self.cache, model=self.model)
         if not self.plan.ok:
             raise ModelLoadError(f"draft model cache cannot be rolled back: {self.plan.reason}")
         self.fed = 0  # history tokens whose K/V are in the draft cache

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import mlx.core as mx
 import numpy as np
 
-from ..pipeline import assemble
+from ..assembly import assemble
 from ..plugins import PluginHost, get_plugin_host, reset_plugin_host
 from ..policy import Policy, load_policy
 from ..sampling import Sampler

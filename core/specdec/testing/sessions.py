@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..plugins import get_plugin_host
 from ..roles import RequestContext, RoundResult
 
 
@@ -13,7 +14,7 @@ def request_context(
 ) -> RequestContext:
     """A :class:`specdec.RequestContext` for ``prompt`` without a model, for calling
     ``Drafter.session(ctx)`` directly; ``fields`` set any other field (``options``,
-    ``cost``, ``model``...)."""
+    ``cost``, ``model``...; ``host`` is the process-wide plugin host unless given)."""
     base: dict[str, Any] = dict(
         model=None,
         tokenizer=None,
@@ -23,6 +24,8 @@ def request_context(
         caches=[],
     )
     base.update(fields)
+    if base.get("host") is None:
+        base["host"] = get_plugin_host()
     return RequestContext(**base)
 
 
