@@ -28,7 +28,7 @@ if _blas_status.action == "too_late":
         stacklevel=2,
     )
 
-from . import options, training
+from . import drafting, options, training
 from .assembly import assemble
 from .batch import Batch, BatchEvent
 from .capture import ModelTaps, TapError, model_taps

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..capture import model_taps
+from ..drafting import draft_lazily
 from ..errors import ModelLoadError, PolicyError
 from ..heads import model_vocab_size
 from ..roles import (
@@ -30,7 +31,6 @@ from ..roles import (
     RoundResult,
 )
 from ..rollback import build_plan
-from ..sampling import STREAM_DRAFT
 
 
 class DraftModelDrafter(BaseDrafter):
@@ -147,32 +147,24 @@ class DraftModelSession(BaseDrafterSession):
         # accepted block: the last draft and the bonus token) go in with the first draft
         # step, one forward, as in mlx-lm; commit() keeps them whatever is rejected.
         txn = self.plan.begin()
+        first = mx.array(pending)
+
+        def step(i: int, previous: Any) -> mx.array:
+            y = first if previous is None else previous
+            if self.head is None:
+                return self.model(y[None], cache=self.cache)[0, -1:].astype(mx.float32)
+            # the backbone's last state through the named head
+            h = self.backbone(y[None], cache=self.cache)[0, -1:]
+            return self.head.logits(h, context=history)
+
         try:
-            y = mx.array(pending)
-            tokens = []
-            qs = []
-            pos = len(history)
-            greedy = self.sampler.is_greedy
-            for i in range(n):
-                if self.head is None:
-                    logits = self.model(y[None], cache=self.cache)[0, -1:].astype(mx.float32)
-                else:  # the backbone's last state through the named head
-                    h = self.backbone(y[None], cache=self.cache)[0, -1:]
-                    logits = self.head.logits(h, context=history)
-                if greedy:
-                    y = mx.argmax(logits, axis=-1)
-                else:
-                    qs.append(self.sampler.probs(logits)[0])
-                    y = self.sampler.sample_lazy(logits, pos + i, STREAM_DRAFT)
-                mx.async_eval(y)
-                tokens.append(y)
+            draft = draft_lazily(n, step, self.sampler, len(history), greedy=self.sampler.is_greedy)
         except BaseException:
             txn.abort()
             raise
-        block = mx.concatenate(tokens)
-        self.pending = (txn, len(pending) + n - 1, len(history), block)
+        self.pending = (txn, len(pending) + n - 1, len(history), draft.tokens)
         self.rounds += 1
-        return Draft(tokens=block, probs=mx.stack(qs) if qs else None)
+        return draft
 
     def observe(self, result: RoundResult) -> None:
         """Keep the draft cache's entries that match the committed tokens."""

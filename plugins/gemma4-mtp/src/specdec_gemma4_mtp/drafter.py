@@ -275,22 +275,19 @@ class Gemma4MTPSession(BaseDrafterSession):
             return None
         position = n - 1 if self.d.position_used == "bonus" else n - 2
         greedy = self.sampler.is_greedy or self.d.sampled_drafts == "greedy"
-        h = self.h[None]  # [1, 1, H_target]
-        y = mx.array([history[-1]])
-        tokens, qs = [], []
-        for i in range(k):
-            emb = self.binding.embed_tokens(y)[None]
-            normed, h = self.module.hidden(emb, h, kv, self.ropes, position, self.scales)
-            logits = self.module.logits(normed[0], masked=self.masked)  # [1, V]
-            if greedy:
-                y = mx.argmax(logits, axis=-1)
-            else:
-                qs.append(self.sampler.probs(logits)[0])
-                y = self.sampler.sample_lazy(logits, n + i, specdec.STREAM_DRAFT)
-            tokens.append(y)
-            mx.async_eval(y)
+        state = [self.h[None]]  # [1, 1, H_target]: the state feeding the next step
+        last = mx.array([history[-1]])
+
+        def step(i: int, previous: Any) -> mx.array:
+            emb = self.binding.embed_tokens(last if previous is None else previous)[None]
+            normed, state[0] = self.module.hidden(
+                emb, state[0], kv, self.ropes, position, self.scales
+            )
+            return self.module.logits(normed[0], masked=self.masked)  # [1, V]
+
+        draft = specdec.drafting.draft_lazily(k, step, self.sampler, n, greedy=greedy)
         self.last = (n, k)
-        return Draft(tokens=mx.concatenate(tokens), probs=mx.stack(qs) if qs else None)
+        return draft
 
     def observe(self, result: RoundResult) -> None:
         """Keep the verify row that drew the committed token; score our own proposal."""

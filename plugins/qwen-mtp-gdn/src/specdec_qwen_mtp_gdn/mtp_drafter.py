@@ -268,26 +268,21 @@ class QwenMTPSession(BaseDrafterSession):
         if not self._catch_up(n - 2) or self.fed != n - 1 or self.seed is None:
             return None
         greedy = self.sampler.is_greedy or self.d.sampled_drafts == "greedy"
-        o = self.seed
-        tokens, qs = [], []
-        for i in range(k):
-            logits = self.head.logits(o, context=history)  # [1, V]
-            if greedy:
-                y = mx.argmax(logits, axis=-1)
-            else:
-                qs.append(self.sampler.probs(logits)[0])
-                y = self.sampler.sample_lazy(logits, n + i, specdec.STREAM_DRAFT)
-            tokens.append(y)
-            if i + 1 < k:
-                o = self.module(self.embed(y)[None], o[None], self.cache)[0]
-            mx.async_eval(y)
+        state = [self.seed]  # the head's output state feeding the next step
+
+        def step(i: int, previous: Any) -> mx.array:
+            if previous is not None:
+                state[0] = self.module(self.embed(previous)[None], state[0][None], self.cache)[0]
+            return self.head.logits(state[0], context=history)  # [1, V]
+
+        draft = specdec.drafting.draft_lazily(k, step, self.sampler, n, greedy=greedy)
         if k > 1:
             for c in self.cache:  # the recursive entries were built from guesses
                 c.trim(k - 1)
         self.last = (n, k)
         self.rounds += 1
         self.proposed += k
-        return Draft(tokens=mx.concatenate(tokens), probs=mx.stack(qs) if qs else None)
+        return draft
 
     def observe(self, result: RoundResult) -> None:
         """Keep the hidden rows of the accepted tokens; score our own proposal; adapt depth."""
