@@ -170,13 +170,13 @@ class Batch:
     """
 
     def __init__(self, pipeline: Any, max_rows: int):
-        from .pipeline import _check_batch
+        from .composition import check_batch
 
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise RequestError(f"a batch needs max_rows >= 1, got {max_rows!r}")
         self.pipeline = pipeline
         self.max_rows = max_rows
-        _check_batch(pipeline.host, pipeline.policy, max_rows)
+        check_batch(pipeline.host, pipeline.policy, max_rows)
         verify = getattr(pipeline.verifier, "verify_batch", None)
         if not callable(verify):
             raise PolicyError(

@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptors import auto_acceptor
 from .attention import verify_attention
+from .composition import check_batch, check_needs
 from .costs import CostModel
 from .distributed import (
     SHARDING_KINDS,
@@ -37,7 +38,6 @@ from .heads import model_vocab_size
 from .plugins import PluginHost, get_plugin_host
 from .policy import AUTO, DEFAULT_POLICY, Policy, load_policy
 from .roles import (
-    CAPABILITIES,
     Acceptance,
     PrefillChunk,
     RequestContext,
@@ -208,84 +208,6 @@ def _joined(a: VerifyResult, b: VerifyResult) -> VerifyResult:
     )
 
 
-def _provides(host: PluginHost, name: str, options: dict) -> frozenset:
-    """What verifier ``name`` provides: its class attribute, else an instance's."""
-    info = host.get("verifier", name)
-    p = getattr(info.factory, "provides", None)
-    if p is None:
-        p = getattr(host.create("verifier", name, options), "provides", None)
-    return frozenset(p or ("logits",))
-
-
-def _check_needs(host: PluginHost, policy: Policy, drafter: str, needs: Any) -> None:
-    """Raise a PolicyError when the policy's verifier lacks something ``drafter`` needs."""
-    if not needs:
-        return
-    unknown = sorted(set(needs) - set(CAPABILITIES))
-    if unknown:
-        raise PolicyError(
-            f"drafter {drafter!r} needs {unknown}, which is no verifier capability; "
-            f"capabilities are {list(CAPABILITIES)}"
-        )
-    have = _provides(host, policy.verifier, policy.options_for(policy.verifier))
-    missing = sorted(set(needs) - have)
-    if not missing:
-        return
-    need = missing[0]
-    offer = []
-    for v in host.names("verifier"):
-        try:
-            if need in _provides(host, v, policy.options_for(v)):
-                offer.append(v)
-        except Exception:  # a verifier that cannot be built with defaults offers nothing
-            continue
-    hint = (
-        f"installed verifiers that provide it: {', '.join(offer)}; set verifier = "
-        f"'{offer[0]}' in the policy"
-        if offer
-        else "no installed verifier provides it"
-    )
-    raise PolicyError(
-        f"drafter {drafter!r} needs {need!r}, which verifier {policy.verifier!r} does not "
-        f"provide (it provides {', '.join(sorted(have))}); {hint}"
-    )
-
-
-def _supports_batch(host: PluginHost, role: str, name: str, options: dict) -> bool:
-    """Whether component ``name`` declares ``supports_batch``: its factory, else an instance."""
-    info = host.get(role, name)
-    flag = getattr(info.factory, "supports_batch", None)
-    if flag is None:
-        flag = getattr(host.create(role, name, options), "supports_batch", False)
-    return bool(flag)
-
-
-def _check_batch(host: PluginHost, policy: Policy, rows: int | None = None) -> None:
-    """Refuse rows of a batch (``rows``, default the policy's ``max_batch``) when a
-    component of the policy cannot run them."""
-    rows = policy.max_batch if rows is None else rows
-    wanted = [("drafter", n) for n in policy.drafters] + [("verifier", policy.verifier)]
-    if policy.governor:
-        wanted.append(("governor", policy.governor))
-    for role, name in wanted:
-        if _supports_batch(host, role, name, policy.options_for(name)):
-            continue
-        able = []
-        for n in host.names(role):
-            try:
-                if _supports_batch(host, role, n, policy.options_for(n)):
-                    able.append(n)
-            except Exception:  # a component that cannot be built with defaults offers nothing
-                continue
-        info = host.get(role, name)
-        raise PolicyError(
-            f"policy {policy.name!r} decodes {rows} rows of a batch, but {role} {name!r} "
-            f"({info.distribution}) does not support batched rows (supports_batch is not set); "
-            f"installed {role}s that do: {', '.join(able) or '(none)'}; decode one request "
-            "at a time (max_batch = 1, Pipeline.stream)"
-        )
-
-
 def _is_lazy(block: Any) -> bool:
     return not isinstance(block, tuple)
 
@@ -317,7 +239,7 @@ class Pipeline:
                     "session(ctx) method: specdec-core 0.2 keeps per-request state in a "
                     "session the drafter makes per request (see docs/writing-plugins.md)"
                 )
-            _check_needs(h, policy, d.name, getattr(d, "needs", ()))
+            check_needs(h, policy, d.name, getattr(d, "needs", ()))
         self.governor = (
             h.create("governor", policy.governor, policy.options_for(policy.governor))
             if policy.governor
@@ -1549,9 +1471,8 @@ def assemble(
             pol = attrs.evolve(pol, drafters=(*pol.drafters, "draft_model"))
         pol = pol.with_options("draft_model", model=draft_model)
     for n in pol.drafters:
-        info = h.get("drafter", n)
         # Checks that need no model: capabilities and a named draft head.
-        _check_needs(h, pol, n, getattr(info.factory, "needs", ()))
+        check_needs(h, pol, n)
         head = pol.options_for(n).get("head")
         if isinstance(head, str):
             try:
@@ -1562,7 +1483,7 @@ def assemble(
         h.get("governor", pol.governor)
     h.get("verifier", pol.verifier)
     if pol.max_batch > 1:
-        _check_batch(h, pol)
+        check_batch(h, pol)
     if pol.acceptor != AUTO:
         h.get("acceptor", pol.acceptor)
     if pol.rollback != AUTO:

@@ -392,10 +392,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CliError(
                 f"--batch measures greedy batched decoding; it does not take {', '.join(unusable)}"
             )
-        from ..pipeline import _check_batch
+        from ..composition import check_batch
 
         try:
-            _check_batch(specdec.get_plugin_host(), policy, max(batches))
+            check_batch(specdec.get_plugin_host(), policy, max(batches))
         except specdec.PolicyError as exc:
             raise CliError(f"--batch: {exc}") from exc
     world = None
