@@ -498,7 +498,7 @@ def test_type_error_inside_a_factory_is_not_reported_as_bad_options():
 
 
 def test_declared_providers_register_what_they_declare():
-    # Each plugin's entry-point group specdec.provides names what its distribution
+    # Each plugin's entry-point group specdec_provides names what its distribution
     # registers (the core's error messages rely on it); the core itself names none.
     try:
         import tomllib
@@ -512,7 +512,7 @@ def test_declared_providers_register_what_they_declare():
             continue
         project = tomllib.loads((p / "pyproject.toml").read_text())["project"]
         dist = project["name"]
-        for name in project.get("entry-points", {}).get("specdec.provides", {}):
+        for name in project.get("entry-points", {}).get("specdec_provides", {}):
             registered = [
                 c.distribution for t in host.components.values() for n, c in t.items() if n == name
             ]

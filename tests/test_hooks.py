@@ -565,7 +565,7 @@ def test_unknown_component_lists_installed_ones():
     assert isinstance(excinfo.value, PolicyError)
 
 
-# What the installed distributions declare they provide (entry-point group specdec.provides).
+# What the installed distributions declare they provide (entry-point group specdec_provides).
 DECLARED = {ep.name: ep.dist.name for ep in importlib_metadata.entry_points(group=PROVIDES_GROUP)}
 
 

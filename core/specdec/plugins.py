@@ -9,7 +9,7 @@ Capabilities are declared when a component is registered (``register(name, facto
 needs=..., provides=..., supports_batch=...)``, or the factory class's attributes) and
 kept on its :class:`ComponentInfo`, so a policy is checked without building anything.
 
-A distribution may name what it provides in the entry-point group ``specdec.provides``
+A distribution may name what it provides in the entry-point group ``specdec_provides``
 (``<component or preset name> = "<its plugin module>"``): when such a name is missing
 because the distribution is installed but not loaded (``SPECDEC_PLUGINS``, a failed
 load, a host built without entry points), the error says so. The core itself names no
@@ -42,7 +42,7 @@ from .roles import CAPABILITIES, OPTIONAL_MEMBERS, REGISTRATION_METADATA, ROLES
 ENTRY_POINT_GROUP = "specdec"
 #: The entry-point group in which a distribution names the components and presets it
 #: provides (read for error messages only; nothing in it is loaded).
-PROVIDES_GROUP = "specdec.provides"
+PROVIDES_GROUP = "specdec_provides"
 CORE_DISTRIBUTION = "specdec-core"
 
 _HOOK_BY_ROLE = {
@@ -357,7 +357,7 @@ class PluginHost:
 
     def not_loaded_hint(self, name: str) -> str:
         """``"; 'x' is provided by <distribution>, ..."`` when an installed distribution
-        declares ``name`` (entry-point group ``specdec.provides``) but its plugin is not
+        declares ``name`` (entry-point group ``specdec_provides``) but its plugin is not
         loaded here; else ``""``."""
         loaded = {p.distribution for p in self.plugins}
         for dist in _declared_providers().get(name, ()):
@@ -519,7 +519,7 @@ def _class_attributes(factory: Any) -> dict[str, Any]:
 
 
 def _declared_providers() -> dict[str, list[str]]:
-    """``{name: [distribution, ...]}`` from the installed distributions' ``specdec.provides``
+    """``{name: [distribution, ...]}`` from the installed distributions' ``specdec_provides``
     entry points (nothing is loaded)."""
     out: dict[str, list[str]] = {}
     for ep in importlib_metadata.entry_points(group=PROVIDES_GROUP):
