@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import importlib_metadata
 import pytest
 import specdec
 from specdec import hookspecs
 from specdec.errors import PluginConflictError, PolicyError, UnknownComponentError
-from specdec.plugins import CORE_DISTRIBUTION, KNOWN_PROVIDERS, PluginHost, core_version
+from specdec.plugins import CORE_DISTRIBUTION, PROVIDES_GROUP, PluginHost, core_version
 from specdec.roles import (
     Acceptance,
     Acceptor,
@@ -257,14 +258,111 @@ def test_hook_specdec_register_draft_heads():
     assert head.vocab_size == 64
 
 
+def test_hook_specdec_register_policies():
+    class Plugin:
+        @specdec.hookimpl
+        def specdec_register_policies(self, register):
+            register("t_preset", {"drafters": ["t_drafter"]}, description="test t_preset")
+            register("t_obj", specdec.Policy(name="t_obj", max_block=4))
+
+    host = host_with(Plugin())
+    info = host.presets["t_preset"]
+    assert info.distribution == "specdec-plugin-test" and info.description == "test t_preset"
+    assert info.policy == specdec.Policy(name="t_preset", drafters=("t_drafter",))
+    assert specdec.load_policy("t_obj", host=host).max_block == 4
+    assert list(host.presets)[:2] == ["none", "draft"]  # the core's come first
+    with pytest.raises(specdec.PolicyError, match=r"unknown policy 't_other'.*t_obj, t_preset"):
+        specdec.load_policy("t_other", host=host)
+
+
+def test_preset_registered_twice_or_misnamed_names_the_plugin():
+    class Twice:
+        @specdec.hookimpl
+        def specdec_register_policies(self, register):
+            register("none", {})
+
+    with pytest.raises(
+        PluginConflictError, match=r"preset 'none'.*specdec-core.*specdec-plugin-test"
+    ):
+        host_with(Twice())
+
+    class Misnamed:
+        @specdec.hookimpl
+        def specdec_register_policies(self, register):
+            register("mine", specdec.Policy(name="other"))
+
+    with pytest.raises(PluginConflictError, match=r"plugin 'test-plugin'.*'mine'.*'other'"):
+        host_with(Misnamed())
+
+
+def test_registration_metadata_is_declared_read_from_classes_and_defaulted():
+    def make(**options):
+        return EchoDrafter(**options)
+
+    class Batched(EchoDrafter):
+        needs = frozenset({"hidden"})
+        supports_batch = True
+
+    class Plugin:
+        @specdec.hookimpl
+        def specdec_register_drafters(self, register):
+            register("given", make, needs=["kv"], supports_batch=True)
+            register("from_class", Batched)
+            register("function", make)
+
+        @specdec.hookimpl
+        def specdec_register_verifiers(self, register):
+            register("v", PlainVerifier, provides={"logits", "hidden"})
+
+    host = host_with(Plugin())
+    drafters = host.components["drafter"]
+    assert (drafters["given"].needs, drafters["given"].supports_batch) == ({"kv"}, True)
+    assert drafters["from_class"].needs == {"hidden"} and drafters["from_class"].supports_batch
+    assert (drafters["function"].needs, drafters["function"].supports_batch) == (set(), False)
+    assert host.components["verifier"]["v"].provides == {"logits", "hidden"}
+    assert host.components["verifier"]["logits"].provides == {"logits", "kv"}
+    assert host.components["governor"] == {} or all(
+        isinstance(c.supports_batch, bool) for c in host.components["governor"].values()
+    )
+
+
+@pytest.mark.parametrize(
+    ("role_hook", "kwargs", "message"),
+    [
+        ("drafters", {"needs": ["telepathy"]}, r"needs=\['telepathy'\].*no verifier capabilities"),
+        ("drafters", {"needs": "hidden"}, r"needs='hidden'.*expected a set of capabilities"),
+        ("drafters", {"provides": ["logits"]}, r"provides=.*only verifiers declare provides"),
+        ("drafters", {"supports_batch": "yes"}, r"supports_batch='yes'.*expected True or False"),
+        (
+            "acceptors",
+            {"supports_batch": True},
+            r"acceptor 'x'.*only drafters, verifiers, governors",
+        ),
+        ("verifiers", {"needs": ["hidden"]}, r"verifier 'x' with needs=.*only drafters declare"),
+    ],
+)
+def test_bad_registration_metadata_names_the_plugin_and_the_argument(role_hook, kwargs, message):
+    hook = f"specdec_register_{role_hook}"
+
+    def impl(register):
+        register("x", EchoDrafter, **kwargs)
+
+    plugin = type("P", (), {hook: staticmethod(specdec.hookimpl(impl))})()
+    with pytest.raises(PluginConflictError, match=r"plugin 'test-plugin' \(specdec-plugin-test\)"):
+        host_with(plugin)
+    with pytest.raises(PluginConflictError, match=message):
+        host_with(plugin)
+
+
 def test_every_hook_has_a_role():
     # The host maps each registration hook to a role table; a new one needs a new role.
-    # specdec_register_commands is the CLI's (specdec.cli), not a role's.
+    # specdec_register_commands is the CLI's (specdec.cli), specdec_register_policies
+    # the presets' (host.presets), not a role's.
     from specdec.plugins import _HOOK_BY_ROLE
 
     hooks = {n for n in dir(hookspecs) if n.startswith("specdec_")}
     assert (
-        hooks - {"specdec_register_commands"}
+        hooks - {"specdec_register_commands", "specdec_register_policies"}
         == set(_HOOK_BY_ROLE.values())
         == {
             "specdec_register_drafters",
@@ -467,13 +565,17 @@ def test_unknown_component_lists_installed_ones():
     assert isinstance(excinfo.value, PolicyError)
 
 
-@pytest.mark.parametrize("name", sorted(KNOWN_PROVIDERS))
+# What the installed distributions declare they provide (entry-point group specdec_provides).
+DECLARED = {ep.name: ep.dist.name for ep in importlib_metadata.entry_points(group=PROVIDES_GROUP)}
+
+
+@pytest.mark.parametrize("name", sorted(DECLARED))
 def test_unknown_known_component_names_its_distribution(name):
     host = PluginHost(load_entry_points=False)
     role = next(r for r in host.components if name not in host.components[r])
     with pytest.raises(UnknownComponentError) as excinfo:
         host.get(role, name)
-    assert KNOWN_PROVIDERS[name] in str(excinfo.value)
+    assert DECLARED[name] in str(excinfo.value) and "not loaded" in str(excinfo.value)
 
 
 def test_ngram_copy_not_installed_names_specdec_plugin_ngram():

@@ -3,7 +3,8 @@
 - every hook in :mod:`specdec.hookspecs` is documented in ``docs/hooks.md`` with
   its exact signature, and has a ``test_hook_<hook name>`` under ``tests/``;
 - every method of every role Protocol in :mod:`specdec.roles` is documented in
-  ``docs/hooks.md`` with its signature;
+  ``docs/hooks.md`` with its signature, and every declared optional member
+  (:data:`specdec.roles.OPTIONAL_MEMBERS`) with its default;
 - every Policy field and preset is documented in ``docs/policy.md``;
 - code included in the docs from tested files (``<!-- include: PATH -->``
   followed by a fenced block) is a verbatim excerpt of that file;
@@ -138,7 +139,38 @@ def test_protocol_method_documented(cls_name, meth, fn):
 
 def test_register_callback_documented():
     hooks_md = _read(DOCS / "hooks.md")
-    assert 'register(name, factory, *, description="")' in hooks_md
+    assert (
+        'register(name, factory, *, description="", needs=None, provides=None, '
+        "supports_batch=None)" in hooks_md
+    )
+    for keys in roles.REGISTRATION_METADATA.values():
+        for key in keys:
+            assert f"| `{key}` |" in hooks_md, f"docs/hooks.md must document register's {key}"
+
+
+def _optional_members():
+    for role, members in sorted(roles.OPTIONAL_MEMBERS.items()):
+        for name, default in sorted(members.items()):
+            yield role, name, default
+
+
+@pytest.mark.parametrize(
+    "role,name,default",
+    list(_optional_members()),
+    ids=[f"{r}.{n}" for r, n, _ in _optional_members()],
+)
+def test_optional_member_documented_with_its_default(role, name, default):
+    # One row per member in docs/hooks.md's "Declared optional members" table:
+    # | `role` | `name...` | `repr(default)` |
+    rows = [
+        line
+        for line in _read(DOCS / "hooks.md").splitlines()
+        if line.startswith(f"| `{role}` | `{name}:") or line.startswith(f"| `{role}` | `{name}(")
+    ]
+    assert rows, f"docs/hooks.md must list {role} member {name!r} in its optional members table"
+    assert rows[0].endswith(f"| `{default!r}` |"), (
+        f"docs/hooks.md gives {role}.{name} another default than {default!r}: {rows[0]}"
+    )
 
 
 @pytest.mark.parametrize("field", [f.name for f in attrs.fields(Policy)])

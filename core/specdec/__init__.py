@@ -171,6 +171,7 @@ __all__ = [
     "model_source",
     "model_taps",
     "model_vocab_size",
+    "drafting",
     "options",
     "training",
     "output_layer",

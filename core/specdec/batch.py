@@ -36,7 +36,7 @@ from .coordinate import Solo
 from .errors import PolicyError, RequestError
 from .lifecycle import RequestState, close, open_request, prefill
 from .request import Request
-from .roles import BaseDrafterSession, RoundResult
+from .roles import BaseDrafterSession, RoundResult, optional
 from .rollback import BatchKVRollback, build_plan
 from .round import Round, RoundKind
 
@@ -70,7 +70,7 @@ class _Member:
 
 def _reads_prefill(session: Any) -> bool:
     """Whether a session has a ``prefill`` of its own (not the base class's no-op)."""
-    fn = getattr(type(session), "prefill", None)
+    fn = optional(type(session), "drafter_session", "prefill")
     return callable(fn) and fn is not BaseDrafterSession.prefill
 
 
@@ -108,7 +108,7 @@ class Batch:
         self.pipeline = pipeline
         self.max_rows = max_rows
         check_batch(pipeline.host, pipeline.policy, max_rows)
-        verify = getattr(pipeline.verifier, "verify_batch", None)
+        verify = optional(pipeline.verifier, "verifier", "verify_batch")
         if not callable(verify):
             raise PolicyError(
                 f"verifier {pipeline.verifier.name!r} has no verify_batch(model, tokens, "
@@ -122,7 +122,9 @@ class Batch:
         if not plan.ok:
             self.off_reason = f"in a batch: {plan.reason}"
         else:
-            unable = [r.name for r in plan.assigned if not getattr(r, "supports_batch", False)]
+            unable = [
+                r.name for r in plan.assigned if not optional(r, "cache_rollback", "supports_batch")
+            ]
             if unable:
                 self.off_reason = (
                     f"cache rollback {unable[0]!r} cannot roll back rows of a batch by "

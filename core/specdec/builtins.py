@@ -87,3 +87,14 @@ def specdec_register_draft_heads(register):
 @hookimpl
 def specdec_register_governors(register):
     """No built-in governor (``copy_governor`` is a plugin); the hook is implemented for symmetry."""
+
+
+@hookimpl
+def specdec_register_policies(register):
+    """Register the core's presets, ``none`` and ``draft`` (plugins register the rest)."""
+    from .policy import CORE_PRESETS
+
+    register("none", CORE_PRESETS["none"], description="plain decoding through the same loop")
+    register(
+        "draft", CORE_PRESETS["draft"], description="the draft_model drafter alone (option model)"
+    )

@@ -1,34 +1,50 @@
-"""Composition checks: whether a policy's components fit together, before any model work.
+"""Checks that a policy's components fit together, read off what they declared.
 
-:func:`check_needs` (a drafter's needs against the verifier's capabilities) and
-:func:`check_batch` (every component can run rows of a batch) raise a
-:class:`~specdec.errors.PolicyError` that names what is wrong and which installed
-components would serve.
+Every check here reads the :class:`~specdec.plugins.ComponentInfo` metadata that a
+plugin declared when it registered a component (``needs``, ``provides``,
+``supports_batch``); none builds a component, so a policy is checked before any
+model work, and a component that cannot be built with default options is still
+named in a hint.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
 
 from .errors import PolicyError
 from .plugins import PluginHost
 from .policy import Policy
 from .roles import CAPABILITIES
 
-__all__ = ["check_batch", "check_needs", "provides", "supports_batch"]
+
+def provides(host: PluginHost, verifier: str) -> frozenset:
+    """What verifier ``verifier`` declared it provides.
+
+    Raises:
+        UnknownComponentError: ``verifier`` is not installed.
+    """
+    return host.get("verifier", verifier).provides
 
 
-def provides(host: PluginHost, name: str, options: dict) -> frozenset:
-    """What verifier ``name`` provides: its class attribute, else an instance's."""
-    info = host.get("verifier", name)
-    p = getattr(info.factory, "provides", None)
-    if p is None:
-        p = getattr(host.create("verifier", name, options), "provides", None)
-    return frozenset(p or ("logits",))
+def check_needs(
+    host: PluginHost, policy: Policy, drafter: str, needs: Iterable[str] | None = None
+) -> None:
+    """Refuse ``policy`` when its verifier lacks a capability that ``drafter`` needs.
 
+    Args:
+        host: the plugin host the policy's components come from.
+        policy: the policy (its ``verifier`` is checked).
+        drafter: the drafter's name.
+        needs: what the drafter needs; ``None`` (default): what it declared at registration.
+            (A built drafter's own ``needs`` may be passed, to check the instance too.)
 
-def check_needs(host: PluginHost, policy: Policy, drafter: str, needs: Any) -> None:
-    """Raise a PolicyError when the policy's verifier lacks something ``drafter`` needs."""
+    Raises:
+        PolicyError: a need that is no capability (naming :data:`~specdec.roles.CAPABILITIES`),
+            or one the verifier does not provide (naming the installed verifiers that do).
+        UnknownComponentError: the drafter or the verifier is not installed.
+    """
+    if needs is None:
+        needs = host.get("drafter", drafter).needs
     if not needs:
         return
     unknown = sorted(set(needs) - set(CAPABILITIES))
@@ -37,18 +53,12 @@ def check_needs(host: PluginHost, policy: Policy, drafter: str, needs: Any) -> N
             f"drafter {drafter!r} needs {unknown}, which is no verifier capability; "
             f"capabilities are {list(CAPABILITIES)}"
         )
-    have = provides(host, policy.verifier, policy.options_for(policy.verifier))
+    have = provides(host, policy.verifier)
     missing = sorted(set(needs) - have)
     if not missing:
         return
     need = missing[0]
-    offer = []
-    for v in host.names("verifier"):
-        try:
-            if need in provides(host, v, policy.options_for(v)):
-                offer.append(v)
-        except Exception:  # a verifier that cannot be built with defaults offers nothing
-            continue
+    offer = [v for v in host.names("verifier") if need in provides(host, v)]
     hint = (
         f"installed verifiers that provide it: {', '.join(offer)}; set verifier = "
         f"'{offer[0]}' in the policy"
@@ -61,32 +71,32 @@ def check_needs(host: PluginHost, policy: Policy, drafter: str, needs: Any) -> N
     )
 
 
-def supports_batch(host: PluginHost, role: str, name: str, options: dict) -> bool:
-    """Whether component ``name`` declares ``supports_batch``: its factory, else an instance."""
-    info = host.get(role, name)
-    flag = getattr(info.factory, "supports_batch", None)
-    if flag is None:
-        flag = getattr(host.create(role, name, options), "supports_batch", False)
-    return bool(flag)
+def supports_batch(host: PluginHost, role: str, name: str) -> bool:
+    """Whether component ``name`` of ``role`` declared that it runs rows of a batch.
+
+    Raises:
+        UnknownComponentError: ``name`` is not installed.
+    """
+    return host.get(role, name).supports_batch
 
 
 def check_batch(host: PluginHost, policy: Policy, rows: int | None = None) -> None:
     """Refuse rows of a batch (``rows``, default the policy's ``max_batch``) when a
-    component of the policy cannot run them."""
+    drafter, the governor or the verifier of ``policy`` did not declare ``supports_batch``.
+
+    Raises:
+        PolicyError: naming the component, its distribution and the installed
+            components of that role that do support batched rows.
+        UnknownComponentError: a component is not installed.
+    """
     rows = policy.max_batch if rows is None else rows
     wanted = [("drafter", n) for n in policy.drafters] + [("verifier", policy.verifier)]
     if policy.governor:
         wanted.append(("governor", policy.governor))
     for role, name in wanted:
-        if supports_batch(host, role, name, policy.options_for(name)):
+        if supports_batch(host, role, name):
             continue
-        able = []
-        for n in host.names(role):
-            try:
-                if supports_batch(host, role, n, policy.options_for(n)):
-                    able.append(n)
-            except Exception:  # a component that cannot be built with defaults offers nothing
-                continue
+        able = [n for n in host.names(role) if supports_batch(host, role, n)]
         info = host.get(role, name)
         raise PolicyError(
             f"policy {policy.name!r} decodes {rows} rows of a batch, but {role} {name!r} "

@@ -53,6 +53,7 @@ import mlx.core as mx
 from .heads import model_vocab_size
 from .paths import cache_dir
 from .progress import Progress
+from .roles import optional
 
 __all__ = [
     "DEFAULT_CONTEXTS",
@@ -225,8 +226,8 @@ def model_fingerprint(model: Any, verifier: Any = None) -> str:
     for name, p in tree_flatten(params()) if callable(params) else ():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
     h.update(type(model).__module__.encode())
-    h.update(str(getattr(verifier, "name", "logits")).encode())
-    layers = getattr(verifier, "layers", ())
+    h.update(str(verifier.name if verifier is not None else "logits").encode())
+    layers = optional(verifier, "verifier", "layers")
     h.update(repr(tuple(layers) if layers else ()).encode())
     h.update(str(mx.default_device()).encode())
     h.update(mx.__version__.encode())

@@ -52,6 +52,7 @@ import numpy as np
 
 from .coordinate import Coordinator
 from .errors import DistributedError, ModelLoadError
+from .roles import optional
 
 __all__ = [
     "DistributedError",
@@ -669,7 +670,7 @@ class RankSync:
         if not needs_q:
             rnd.q = None
             return False
-        deterministic = bool(getattr(self.drafters[chosen - 1], "deterministic", False))
+        deterministic = bool(optional(self.drafters[chosen - 1], "drafter", "deterministic"))
         if same and deterministic:
             return False
         rnd.q = self.broadcast_q(st, rnd.q if self.rank == 0 else None)

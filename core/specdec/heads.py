@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from .capture import model_taps
 from .errors import ModelLoadError
+from .roles import optional
 
 
 def model_vocab_size(model: Any) -> int | None:
@@ -314,7 +315,7 @@ class _ContextFreeHead:
 def bind_head(head: Any, model: Any, tokenizer: Any = None) -> Any:
     """Bind ``head`` to ``model`` (and ``tokenizer`` where its ``bind`` takes one); the
     head to hand to drafters, whose ``logits`` takes ``context=``."""
-    bind = getattr(head, "bind", None)
+    bind = optional(head, "draft_head", "bind")
     if bind is not None:
         if accepts_keyword(bind, "tokenizer"):
             bind(model, tokenizer=tokenizer)

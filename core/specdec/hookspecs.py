@@ -2,7 +2,24 @@
 
 Each hook receives a ``register`` callback. Call it once per component::
 
-    register(name: str, factory: Callable[..., Component], *, description: str = "")
+    register(
+        name: str,
+        factory: Callable[..., Component],
+        *,
+        description: str = "",
+        needs: Iterable[str] | None = None,        # drafters
+        provides: Iterable[str] | None = None,     # verifiers
+        supports_batch: bool | None = None,        # drafters, verifiers, governors
+    )
+
+The keyword metadata declares what the core checks before it builds anything (a
+policy's verifier provides what its drafters need; every component of a batched
+policy runs rows of a batch). A value left out comes from the factory's class
+attribute of that name when the factory is a class (read once, at registration),
+else the role's default (:data:`specdec.roles.OPTIONAL_MEMBERS`: no needs, provides
+``logits``, no batch). A value given for a role that does not declare it, of the
+wrong type, or naming a capability outside :data:`specdec.roles.CAPABILITIES` is a
+:class:`specdec.PluginConflictError` naming the plugin and the argument.
 
 ``factory(**options)`` is called with the options the policy gives for
 ``name`` and returns the component: drafters, governors, verifiers and
@@ -25,12 +42,12 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 @hookspec
 def specdec_register_drafters(register):
-    """Register Drafter factories: ``register(name, factory, description=...)``."""
+    """Register Drafter factories: ``register(name, factory, description=..., needs=..., supports_batch=...)``."""
 
 
 @hookspec
 def specdec_register_verifiers(register):
-    """Register Verifier factories: ``register(name, factory, description=...)``."""
+    """Register Verifier factories: ``register(name, factory, description=..., provides=..., supports_batch=...)``."""
 
 
 @hookspec
@@ -45,12 +62,22 @@ def specdec_register_cache_rollbacks(register):
 
 @hookspec
 def specdec_register_governors(register):
-    """Register Governor factories: ``register(name, factory, description=...)``."""
+    """Register Governor factories: ``register(name, factory, description=..., supports_batch=...)``."""
 
 
 @hookspec
 def specdec_register_draft_heads(register):
     """Register DraftHead factories: ``register(name, factory, description=...)``."""
+
+
+@hookspec
+def specdec_register_policies(register):
+    """Register preset policies: ``register(name, policy, description=...)``.
+
+    ``policy`` is a :class:`specdec.Policy` named ``name``, or a dict of its fields (its
+    ``name`` defaults to ``name``). A preset may name components of other plugins;
+    :func:`specdec.assemble` fails with the list of what is installed when one is missing.
+    """
 
 
 @hookspec

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .attention import verify_attention
 from .emit import Emitter
 from .request import Request
-from .roles import PrefillChunk, RequestContext, VerifyResult
+from .roles import PrefillChunk, RequestContext, VerifyResult, optional
 from .rollback import RollbackPlan, build_plan
 from .sampling import Sampler
 from .stats import Stats
@@ -170,11 +170,10 @@ def close(state: RequestState) -> None:
         except Exception:  # ending must not mask the real error
             pass
     state.sessions = []
-    end = getattr(state.governor, "end", None)
-    state.governor = None
-    if end is not None:
+    gov, state.governor = state.governor, None
+    if gov is not None:
         try:
-            end()
+            gov.end()
         except Exception:
             pass
 
@@ -194,7 +193,9 @@ def prefill(pipe: Any, state: RequestState, coord: Any) -> None:
     collectives pair up with its forwards) and raises at the end."""
     t0 = time.perf_counter()
     prompt, caches, step = state.history, state.caches, state.request.prefill_step_size
-    listeners = [s.prefill for _, s in state.sessions if callable(getattr(s, "prefill", None))]
+    listeners = [
+        fn for _, s in state.sessions if callable(fn := optional(s, "drafter_session", "prefill"))
+    ]
     failed: BaseException | None = None
     for start in range(0, len(prompt) - 1, step):
         chunk = prompt[start : min(start + step, len(prompt) - 1)]
@@ -235,7 +236,7 @@ def finish_stats(pipe: Any, state: RequestState, coord: Any = None) -> None:
         stats.verify_cost = state.cost.stats()  # with the round overhead learnt
     shown: dict[str, Any] = {}  # key -> head object
     for drafter, head in pipe.heads.items():
-        extra = getattr(head, "stats", None)
+        extra = optional(head, "draft_head", "stats")
         if not callable(extra):
             continue
         key = head.name
@@ -245,6 +246,6 @@ def finish_stats(pipe: Any, state: RequestState, coord: Any = None) -> None:
             shown[key] = head
             stats.draft_heads[key] = dict(extra())
     for name, s in state.sessions:
-        extra = getattr(s, "stats", None)
+        extra = optional(s, "drafter_session", "stats")
         if callable(extra) and name in stats.per_drafter:
             stats.per_drafter[name].update(extra())

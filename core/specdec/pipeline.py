@@ -23,7 +23,7 @@ from .lifecycle import RequestState, new_state
 from .plugins import PluginHost, get_plugin_host
 from .policy import AUTO, Policy
 from .request import Request, prompt_ids
-from .roles import RoundResult
+from .roles import RoundResult, missing, optional
 from .sampling import validate_request
 from .single import SingleDriver
 
@@ -64,11 +64,11 @@ class Pipeline:
             self.ranks = RankSync(self.sharding, policy.max_block, self.drafters)
         #: Whether idle rounds may be queued ahead: no drafter reads the caches in
         #: propose (see :class:`specdec.single.SingleDriver`).
-        self.lookahead = not any("kv" in getattr(d, "needs", ()) for d in self.drafters)
+        self.lookahead = not any("kv" in optional(d, "drafter", "needs") for d in self.drafters)
         #: draft heads by drafter name (shared: built once per (model, head, options)).
         self.heads: dict[str, Any] = {}
         for d in self.drafters:
-            head_name = getattr(d, "head", None)
+            head_name = optional(d, "drafter", "head")
             if head_name:
                 self.heads[d.name] = self._head(d, head_name)
         #: the acceptors by name: the policy's, or for ``auto`` the three built-in ones.
@@ -83,12 +83,14 @@ class Pipeline:
         if policy.rollback != AUTO:
             self.host.get("cache_rollback", policy.rollback)
         for d in self.drafters:
-            attach = getattr(d, "attach", None)
+            attach = optional(d, "drafter", "attach")
             if attach is not None:
                 attach(model, tokenizer)
         #: the verify cost curve of this model on this device, when a drafter reads it.
         self.cost_model: CostModel | None = None
-        if self.ranks is None and any(getattr(d, "uses_verify_cost", False) for d in self.drafters):
+        if self.ranks is None and any(
+            optional(d, "drafter", "uses_verify_cost") for d in self.drafters
+        ):
             # Profiled with the built-in logits verifier: the cost of the model's own
             # forward, whatever verifier the policy names (a plugin's verifier may keep
             # state that profiling forwards must not touch).
@@ -98,16 +100,17 @@ class Pipeline:
         h, policy = self.host, self.policy
         drafters = [h.create("drafter", n, policy.options_for(n)) for n in policy.drafters]
         for d in drafters:
-            if not getattr(d, "name", None):
+            gaps = missing(d, "drafter")
+            if "name" in gaps:
                 raise PolicyError(f"drafter {d!r} has no name attribute")
-            if not callable(getattr(d, "session", None)):
+            if "session" in gaps:
                 info = h.get("drafter", d.name)
                 raise PolicyError(
                     f"drafter {d.name!r} ({info.distribution} {info.version}) has no "
                     "session(ctx) method: specdec-core 0.2 keeps per-request state in a "
                     "session the drafter makes per request (see docs/writing-plugins.md)"
                 )
-            check_needs(h, policy, d.name, getattr(d, "needs", ()))
+            check_needs(h, policy, d.name, optional(d, "drafter", "needs"))
         return drafters
 
     def _make_governor(self) -> Any:
@@ -115,7 +118,7 @@ class Pipeline:
         if not policy.governor:
             return None
         gov = self.host.create("governor", policy.governor, policy.options_for(policy.governor))
-        if not callable(getattr(gov, "session", None)):
+        if "session" in missing(gov, "governor"):
             raise PolicyError(
                 f"governor {policy.governor!r} has no session(ctx) method: specdec-core 0.2 "
                 "keeps per-request state in a session the governor makes per request"
@@ -127,10 +130,10 @@ class Pipeline:
         verifier = self.host.create(
             "verifier", policy.verifier, policy.options_for(policy.verifier)
         )
-        if "logits" not in getattr(verifier, "provides", frozenset({"logits"})):
+        if "logits" not in optional(verifier, "verifier", "provides"):
             raise PolicyError(f"verifier {policy.verifier!r} does not provide logits")
-        layers = [i for d in self.drafters for i in getattr(d, "hidden_layers", ())]
-        bind = getattr(verifier, "bind", None)
+        layers = [i for d in self.drafters for i in optional(d, "drafter", "hidden_layers")]
+        bind = optional(verifier, "verifier", "bind")
         if bind is not None:
             bind(self.model, layers=tuple(layers))
         elif layers:
@@ -172,15 +175,15 @@ class Pipeline:
             raise PolicyError(f"drafter {drafter!r}: option head: {exc}") from exc
         # A drafter with a model of its own (a draft model) names it as head_model: the
         # head reads that model's output layer; else the target's.
-        model = getattr(d, "head_model", None)
+        model = optional(d, "drafter", "head_model")
         own = model is not None
         if not own:
             model = self.model
         # A drafter's own model shares the target's vocabulary (checked in attach), so
         # the pipeline's tokenizer stands in when the drafter has none of its own.
-        tokenizer = (getattr(d, "head_tokenizer", None) if own else None) or self.tokenizer
+        tokenizer = (optional(d, "drafter", "head_tokenizer") if own else None) or self.tokenizer
         head = self.host.draft_head(name, self.policy.options_for(name), model, tokenizer)
-        tv, hv = model_vocab_size(self.model), getattr(head, "vocab_size", None)
+        tv, hv = model_vocab_size(self.model), optional(head, "draft_head", "vocab_size")
         if tv is not None and hv is not None and int(hv) != tv:
             raise ModelLoadError(
                 f"draft head {name!r} (for drafter {drafter!r}) scores a vocabulary of {hv} "

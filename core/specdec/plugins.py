@@ -5,6 +5,16 @@ import or ``load()`` raises is skipped and recorded as a :class:`PluginFailure`;
 a plugin that fails pluggy validation, or two distributions registering the
 same component name, is a :class:`~specdec.errors.PluginConflictError`.
 
+Capabilities are declared when a component is registered (``register(name, factory,
+needs=..., provides=..., supports_batch=...)``, or the factory class's attributes) and
+kept on its :class:`ComponentInfo`, so a policy is checked without building anything.
+
+A distribution may name what it provides in the entry-point group ``specdec_provides``
+(``<component or preset name> = "<its plugin module>"``): when such a name is missing
+because the distribution is installed but not loaded (``SPECDEC_PLUGINS``, a failed
+load, a host built without entry points), the error says so. The core itself names no
+plugin's components.
+
 Environment:
     ``SPECDEC_PLUGINS``: comma-separated allow-list of distribution names to
     load third-party plugins from (empty string: none). Unset: all.
@@ -18,7 +28,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -27,21 +37,14 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginConflictError, UnknownComponentError
-from .roles import ROLES
+from .roles import CAPABILITIES, OPTIONAL_MEMBERS, REGISTRATION_METADATA, ROLES
 from .rollback import RollbackPlan, build_plan
 
 ENTRY_POINT_GROUP = "specdec"
+#: The entry-point group in which a distribution names the components and presets it
+#: provides (read for error messages only; nothing in it is loaded).
+PROVIDES_GROUP = "specdec_provides"
 CORE_DISTRIBUTION = "specdec-core"
-
-#: Which distribution provides a component that is not installed, for error messages.
-#: Only distributions that exist (in this repository's ``plugins/``) and register
-#: that component are listed; a test checks it against the folders.
-KNOWN_PROVIDERS: dict[str, str] = {
-    "ngram_copy": "specdec-plugin-ngram",
-    "copy_governor": "specdec-plugin-copy-governor",
-    "gdn_transaction": "specdec-plugin-qwen-mtp-gdn",
-    "qwen_mtp": "specdec-plugin-qwen-mtp-gdn",
-}
 
 _HOOK_BY_ROLE = {
     "drafter": "specdec_register_drafters",
@@ -63,11 +66,33 @@ def core_version() -> str:
 
 @attrs.frozen
 class ComponentInfo:
-    """One registered component: its role, name, factory and where it came from."""
+    """One registered component: its role, name, factory, where it came from, and what
+    it declared at registration.
+
+    Attributes:
+        needs: verifier capabilities a drafter needs (empty for other roles).
+        provides: capabilities a verifier provides (empty for other roles).
+        supports_batch: whether a drafter, verifier or governor runs rows of a batch.
+    """
 
     role: str
     name: str
     factory: Callable[..., Any]
+    plugin: str
+    distribution: str
+    version: str
+    description: str = ""
+    needs: frozenset = frozenset()
+    provides: frozenset = frozenset()
+    supports_batch: bool = False
+
+
+@attrs.frozen
+class PresetInfo:
+    """One registered preset policy and where it came from."""
+
+    name: str
+    policy: Any
     plugin: str
     distribution: str
     version: str
@@ -106,6 +131,8 @@ class PluginHost:
         self.failures: list[PluginFailure] = []
         self._dist_of: dict[str, PluginInfo] = {}
         self.components: dict[str, dict[str, ComponentInfo]] = {role: {} for role in ROLES}
+        #: Preset policies by name (the core's and the plugins'), in registration order.
+        self.presets: dict[str, PresetInfo] = {}
         # Built draft heads: id(model) -> (weak ref to the model, {(name, options): head}).
         # (mlx modules are dicts, so not hashable: keyed by id, dropped with the model.)
         self._heads: dict[int, tuple] = {}
@@ -186,29 +213,45 @@ class PluginHost:
     def _collect(self) -> None:
         for role in ROLES:
             self.components[role] = {}
+        self.presets = {}
         self._collected = True
         for role, hook_name in _HOOK_BY_ROLE.items():
             hook = getattr(self.pm.hook, hook_name)
             # Each implementation is called on its own so every name is tied to
             # its distribution; no order between plugins is promised.
             for impl in hook.get_hookimpls():
-                plugin = self._dist_of.get(impl.plugin_name) or PluginInfo(
-                    impl.plugin_name, "unknown", "unknown"
-                )
-                self._call_register(role, hook_name, impl, plugin)
+                self._call_register(role, hook_name, impl, self._plugin_of(impl))
+        # The core's presets first (its hook implementation was registered first), then
+        # the plugins' in load order.
+        for impl in self.pm.hook.specdec_register_policies.get_hookimpls():
+            self._call_register_policies(impl, self._plugin_of(impl))
+
+    def _plugin_of(self, impl: Any) -> PluginInfo:
+        return self._dist_of.get(impl.plugin_name) or PluginInfo(
+            impl.plugin_name, "unknown", "unknown"
+        )
 
     def _call_register(self, role: str, hook_name: str, impl: Any, plugin: PluginInfo) -> None:
         table = self.components[role]
 
-        def register(name: str, factory: Callable[..., Any], *, description: str = "") -> None:
+        def register(
+            name: str,
+            factory: Callable[..., Any],
+            *,
+            description: str = "",
+            needs: Iterable[str] | None = None,
+            provides: Iterable[str] | None = None,
+            supports_batch: bool | None = None,
+        ) -> None:
+            where = f"plugin {plugin.name!r} ({plugin.distribution})"
             if not isinstance(name, str) or not name:
                 raise PluginConflictError(
-                    f"plugin {plugin.name!r} ({plugin.distribution}) registered a {role} "
-                    f"with an invalid name {name!r}: expected a non-empty string"
+                    f"{where} registered a {role} with an invalid name {name!r}: "
+                    "expected a non-empty string"
                 )
             if not callable(factory):
                 raise PluginConflictError(
-                    f"plugin {plugin.name!r} ({plugin.distribution}) registered {role} {name!r} "
+                    f"{where} registered {role} {name!r} "
                     f"with a factory that is not callable: {factory!r}"
                 )
             if name in table:
@@ -218,6 +261,8 @@ class PluginHost:
                     f"{other.distribution} (plugin {other.plugin!r}) and "
                     f"{plugin.distribution} (plugin {plugin.name!r})"
                 )
+            given = {"needs": needs, "provides": provides, "supports_batch": supports_batch}
+            declared = _declared(where, role, name, factory, given)
             table[name] = ComponentInfo(
                 role=role,
                 name=name,
@@ -226,17 +271,63 @@ class PluginHost:
                 distribution=plugin.distribution,
                 version=plugin.version,
                 description=description,
+                **declared,
             )
 
+        self._trace(hook_name, plugin)
+        # Hooks grow by adding arguments: pass only those the implementation declares.
+        available = {"register": register}
+        impl.function(**{k: v for k, v in available.items() if k in impl.argnames})
+
+    def _call_register_policies(self, impl: Any, plugin: PluginInfo) -> None:
+        from .policy import Policy
+
+        def register(name: str, policy: Any, *, description: str = "") -> None:
+            where = f"plugin {plugin.name!r} ({plugin.distribution})"
+            if not isinstance(name, str) or not name:
+                raise PluginConflictError(
+                    f"{where} registered a preset with an invalid name {name!r}: "
+                    "expected a non-empty string"
+                )
+            if name in self.presets:
+                other = self.presets[name]
+                raise PluginConflictError(
+                    f"preset {name!r} is registered by two distributions: "
+                    f"{other.distribution} (plugin {other.plugin!r}) and "
+                    f"{plugin.distribution} (plugin {plugin.name!r})"
+                )
+            if isinstance(policy, Mapping):
+                policy = Policy.from_dict({"name": name, **policy})
+            if not isinstance(policy, Policy):
+                raise PluginConflictError(
+                    f"{where} registered preset {name!r} with policy={policy!r}: "
+                    "expected a specdec.Policy or a dict of its fields"
+                )
+            if policy.name != name:
+                raise PluginConflictError(
+                    f"{where} registered preset {name!r} with a policy named "
+                    f"{policy.name!r}: a preset's policy carries its name"
+                )
+            self.presets[name] = PresetInfo(
+                name=name,
+                policy=policy,
+                plugin=plugin.name,
+                distribution=plugin.distribution,
+                version=plugin.version,
+                description=description,
+            )
+
+        self._trace("specdec_register_policies", plugin)
+        available = {"register": register}
+        impl.function(**{k: v for k, v in available.items() if k in impl.argnames})
+
+    def _trace(self, hook_name: str, plugin: PluginInfo) -> None:
         if self.trace:
             print(
                 f"specdec trace: {hook_name}(register) -> plugin {plugin.name!r} "
                 f"({plugin.distribution} {plugin.version})",
                 file=sys.stderr,
             )
-        # Hooks grow by adding arguments: pass only those the implementation declares.
-        available = {"register": register}
-        impl.function(**{k: v for k, v in available.items() if k in impl.argnames})
 
     # -- lookup ------------------------------------------------------------------
 
@@ -256,16 +347,35 @@ class PluginHost:
         except KeyError:
             pass
         installed = ", ".join(self.names(role)) or "(none)"
-        hint = ""
-        if name in KNOWN_PROVIDERS:
-            hint = f"; {name!r} is provided by {KNOWN_PROVIDERS[name]} (pip install {KNOWN_PROVIDERS[name]})"
-        else:
+        hint = self.not_loaded_hint(name)
+        if not hint:
             for other_role in ROLES:
                 if other_role != role and name in self.components[other_role]:
                     hint = f"; {name!r} is a {other_role}, not a {role}"
         raise UnknownComponentError(
             f"unknown {role} {name!r}: installed {role}s are {installed}{hint}"
         )
+
+    def not_loaded_hint(self, name: str) -> str:
+        """``"; 'x' is provided by <distribution>, ..."`` when an installed distribution
+        declares ``name`` (entry-point group ``specdec_provides``) but its plugin is not
+        loaded here; else ``""``."""
+        loaded = {p.distribution for p in self.plugins}
+        for dist in _declared_providers().get(name, ()):
+            if dist not in loaded:
+                return (
+                    f"; {name!r} is provided by {dist} (pip install {dist}), which is installed "
+                    "but not loaded (see SPECDEC_PLUGINS and `specdec plugins`)"
+                )
+        return ""
+
+    def preset(self, name: str) -> Any:
+        """The preset policy ``name``.
+
+        Raises:
+            KeyError: no loaded plugin (nor the core) registers that preset.
+        """
+        return self.presets[name].policy
 
     def create(self, role: str, name: str, options: dict | None = None) -> Any:
         """Instantiate component ``name`` of ``role`` with ``options``.
@@ -347,6 +457,75 @@ class PluginHost:
             "plugins": plugins,
             "failures": [attrs.asdict(f) for f in self.failures],
         }
+
+
+def _declared(
+    where: str, role: str, name: str, factory: Callable[..., Any], given: dict[str, Any]
+) -> dict[str, Any]:
+    """The registration metadata of a component: each value given to ``register``
+    (validated), else the factory class's attribute, else the role's default."""
+    allowed = REGISTRATION_METADATA.get(role, ())
+    out: dict[str, Any] = {}
+    for key, value in given.items():
+        if value is not None and key not in allowed:
+            takers = [r for r, keys in REGISTRATION_METADATA.items() if key in keys]
+            raise PluginConflictError(
+                f"{where} registered {role} {name!r} with {key}={value!r}: only "
+                f"{', '.join(r + 's' for r in takers)} declare {key}"
+            )
+        if key not in allowed:
+            continue
+        explicit = value is not None
+        if not explicit:
+            # read once, here: a class's attribute is what its instances declare
+            value = _class_attributes(factory).get(key, OPTIONAL_MEMBERS[role][key])
+        if key == "supports_batch":
+            if not isinstance(value, bool):
+                raise PluginConflictError(
+                    f"{where} registered {role} {name!r} with supports_batch={value!r}"
+                    f"{'' if explicit else ' (its class attribute)'}: expected True or False"
+                )
+            out[key] = value
+            continue
+        if isinstance(value, str) or not isinstance(value, Iterable):
+            raise PluginConflictError(
+                f"{where} registered {role} {name!r} with {key}={value!r}"
+                f"{'' if explicit else ' (its class attribute)'}: expected a set of "
+                f"capabilities from {list(CAPABILITIES)}"
+            )
+        value = frozenset(value)
+        # Only what register() was given is checked against CAPABILITIES here: a class
+        # attribute naming an unknown capability is refused when a policy names the
+        # component (specdec.composition.check_needs), so one stray class does not stop
+        # every plugin from loading.
+        unknown = sorted(str(v) for v in value - set(CAPABILITIES))
+        if explicit and unknown:
+            raise PluginConflictError(
+                f"{where} registered {role} {name!r} with {key}={sorted(value)}: "
+                f"{unknown} are no verifier capabilities; capabilities are {list(CAPABILITIES)}"
+            )
+        out[key] = value
+    return out
+
+
+def _class_attributes(factory: Any) -> dict[str, Any]:
+    """The class attributes of ``factory`` (its MRO's, nearest first) when it is a
+    class; ``{}`` for a function or another callable."""
+    if not isinstance(factory, type):
+        return {}
+    out: dict[str, Any] = {}
+    for klass in reversed(factory.__mro__):
+        out.update(vars(klass))
+    return out
+
+
+def _declared_providers() -> dict[str, list[str]]:
+    """``{name: [distribution, ...]}`` from the installed distributions' ``specdec_provides``
+    entry points (nothing is loaded)."""
+    out: dict[str, list[str]] = {}
+    for ep in importlib_metadata.entry_points(group=PROVIDES_GROUP):
+        out.setdefault(ep.name, []).append(_dist_of(ep)[0])
+    return out
 
 
 def _freeze(value: Any) -> Any:

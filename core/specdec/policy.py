@@ -2,7 +2,8 @@
 
 Build one from Python (``Policy(drafters=("ngram_copy",), governor="copy_governor")``),
 from a dict (:meth:`Policy.from_dict`), from a TOML file (:meth:`Policy.from_toml`)
-or from a preset name (:data:`PRESETS`). :func:`load_policy` accepts any of these.
+or from a preset name (:data:`PRESETS`: the core's ``none`` and ``draft``, and those
+the plugins register through the hook ``specdec_register_policies``). :func:`load_policy` accepts any of these.
 
 TOML layout (the same keys as the dict form)::
 
@@ -196,50 +197,39 @@ class Policy:
         return dict(self.options.get(component, {}))
 
 
-#: Preset policies by name.
-PRESETS: dict[str, Policy] = {
+#: The core's presets: plain decoding, and the built-in draft model drafting alone. The
+#: presets that name plugin components come from those plugins (the hook
+#: ``specdec_register_policies``); the core registers these two through it too.
+CORE_PRESETS: dict[str, Policy] = {
     "none": Policy(name="none"),
-    # ngram_copy sizes its own blocks by cost (a poor round is a small block), so the
-    # governor suspends it only after five poor rounds in a row: on the bench workloads
-    # three suspended it in verbatim copies, where each suspension cost two plain steps.
-    # For the same reason the governor does not cap its blocks when the acceptance EMA
-    # is low (shrink_below 0): on prose at temperature 0 that cap turned five-token
-    # blocks into four-token ones and decoded 5.6% slower (median of six paired runs),
-    # and it puts no drafter on probation (probation_rounds 0): capping a request's
-    # first blocks at four tokens until two good rounds cost one forward per request on
-    # the copy workloads (ngram_copy alone opens with 8- and 9-token blocks), 0.977x to
-    # 0.985x of ungoverned ngram_copy at temperature 0.
-    "copy": Policy(
-        name="copy",
-        drafters=("ngram_copy",),
-        governor="copy_governor",
-        options={"copy_governor": {"suspend_after": 5, "shrink_below": 0, "probation_rounds": 0}},
-    ),
-    "ngram": Policy(name="ngram", drafters=("ngram_copy",)),
     "draft": Policy(name="draft", drafters=("draft_model",)),
-    # The model's own MTP head (specdec-plugin-qwen-mtp-gdn), which reads the target's
-    # hidden states; copy-mtp copies where the context has a match and uses the head
-    # otherwise.
-    "mtp": Policy(name="mtp", drafters=("qwen_mtp",), verifier="hidden"),
-    "copy-mtp": Policy(
-        name="copy-mtp",
-        drafters=("ngram_copy", "qwen_mtp"),
-        verifier="hidden",
-        governor="copy_governor",
-        options={"copy_governor": {"suspend_after": 5}},
-    ),
-    # A Gemma 4 assistant (specdec-plugin-gemma4-mtp; its option `assistant` names the
-    # checkpoint), which reads the target's hidden state and K/V; copy-gemma4 copies where
-    # the context has a match and uses the assistant otherwise.
-    "gemma4": Policy(name="gemma4", drafters=("gemma4_mtp",), verifier="hidden"),
-    "copy-gemma4": Policy(
-        name="copy-gemma4",
-        drafters=("ngram_copy", "gemma4_mtp"),
-        verifier="hidden",
-        governor="copy_governor",
-        options={"copy_governor": {"suspend_after": 5}},
-    ),
 }
+
+
+class _Presets(Mapping):
+    """The preset policies of the process-wide plugin host, by name (read-only)."""
+
+    def _table(self) -> dict:
+        from .plugins import get_plugin_host
+
+        return get_plugin_host().presets
+
+    def __getitem__(self, name: str) -> Policy:
+        return self._table()[name].policy
+
+    def __iter__(self):
+        return iter(list(self._table()))
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return f"PRESETS({', '.join(self)})"
+
+
+#: Preset policies by name: the core's (:data:`CORE_PRESETS`) and those the loaded
+#: plugins register, looked up in the process-wide plugin host.
+PRESETS: Mapping[str, Policy] = _Presets()
 
 
 #: The name that stands for :func:`default_policy`: what ``specdec generate`` and
@@ -265,9 +255,14 @@ def default_policy(host: Any = None) -> Policy:
     from .plugins import get_plugin_host
 
     h = host or get_plugin_host()
-    pol = PRESETS[DEFAULT_PRESET]
-    have = set(h.names("drafter")) >= set(pol.drafters) and pol.governor in h.names("governor")
-    return pol if have else PRESETS["none"]
+    info = h.presets.get(DEFAULT_PRESET)
+    if info is None:
+        return CORE_PRESETS["none"]
+    pol = info.policy
+    have = set(h.names("drafter")) >= set(pol.drafters) and (
+        pol.governor is None or pol.governor in h.names("governor")
+    )
+    return pol if have else CORE_PRESETS["none"]
 
 
 def load_policy(
@@ -288,7 +283,7 @@ def load_policy(
             malformed file, or bad values.
     """
     if spec is None:
-        return PRESETS["none"]
+        return CORE_PRESETS["none"]
     if isinstance(spec, Policy):
         return spec
     if isinstance(spec, Mapping):
@@ -296,15 +291,20 @@ def load_policy(
     if isinstance(spec, (str, os.PathLike)):
         s = os.fspath(spec)
         if s == DEFAULT_POLICY:
-            return PRESETS["draft"] if draft_model else default_policy(host)
-        if s in PRESETS:
-            return PRESETS[s]
+            return CORE_PRESETS["draft"] if draft_model else default_policy(host)
+        if s in CORE_PRESETS:
+            return CORE_PRESETS[s]
+        from .plugins import get_plugin_host
+
+        h = host or get_plugin_host()
+        if s in h.presets:
+            return h.presets[s].policy
         if s.endswith(".toml") or os.sep in s or Path(s).is_file():
             return Policy.from_toml(s)
         raise PolicyError(
             f"unknown policy {s!r}: expected {DEFAULT_POLICY!r}, a preset name "
-            f"({', '.join(sorted(PRESETS))}) "
-            f"or a path to a .toml file"
+            f"({', '.join(sorted(h.presets))}) "
+            f"or a path to a .toml file{h.not_loaded_hint(s)}"
         )
     raise PolicyError(
         f"a policy must be a Policy, a preset name, a .toml path or a dict; got {type(spec).__name__}"

@@ -2,8 +2,14 @@
 
 A plugin implements one of :class:`Drafter`, :class:`Verifier`, :class:`Acceptor`,
 :class:`CacheRollback`, :class:`Governor` or :class:`DraftHead` (subclassing the
-``Base*`` classes gives no-op defaults for the optional methods) and registers a
+``Base*`` classes gives the defaults of the optional members) and registers a
 factory for it through a hook in :mod:`specdec.hookspecs`.
+
+Every member the core reads from a component is declared here: the Protocols hold
+the required ones (what ``isinstance(obj, Drafter)`` checks), the ``Base*`` classes
+the optional ones with their defaults, and :data:`OPTIONAL_MEMBERS` lists the
+optional ones per role (derived from the ``Base*`` classes). The core reads an
+optional member through :func:`optional`, never through a ``getattr`` of its own.
 
 Components are pipeline-wide (one per :func:`specdec.assemble`); everything that
 belongs to one request lives in a *session* the component makes for that request
@@ -24,7 +30,8 @@ first round.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -197,14 +204,17 @@ class RequestContext:
 class DrafterSession(Protocol):
     """One request's drafting state, made by :meth:`Drafter.session`.
 
-    Optional: ``prefill(chunk: PrefillChunk) -> None``, called for every prompt
-    chunk the verifier feeds (in order), so a head can prime itself on the prompt.
+    Optional members (defaults in :class:`BaseDrafterSession`; absent: not called):
 
-    Optional: ``shadow(history: Sequence[int], max_len: int) -> Draft | None``, called
-    instead of ``propose`` on a round where the governor gave the drafter no budget:
-    what it would have proposed, without counting it as a proposal. The tokens go
-    to the governor in ``RoundResult.shadows`` for shadow scoring. Implement it only
-    when proposing is cheap (a lookup), since it runs on rounds that draft nothing.
+    - ``prefill(chunk: PrefillChunk) -> None``, called for every prompt chunk the
+      verifier feeds (in order), so a head can prime itself on the prompt.
+    - ``shadow(history: Sequence[int], max_len: int) -> Draft | None``, called
+      instead of ``propose`` on a round where the governor gave the drafter no budget:
+      what it would have proposed, without counting it as a proposal. The tokens go
+      to the governor in ``RoundResult.shadows`` for shadow scoring. Implement it only
+      when proposing is cheap (a lookup), since it runs on rounds that draft nothing.
+    - ``stats() -> dict``: extra per-request statistics, merged into
+      ``stats.per_drafter[name]``.
     """
 
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
@@ -216,9 +226,6 @@ class DrafterSession(Protocol):
     def end(self) -> None:
         """Finish the request (also after an error); drop per-request state."""
 
-    def stats(self) -> dict:
-        """Extra per-request statistics, merged into ``stats.per_drafter[name]``."""
-
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -226,17 +233,19 @@ class Drafter(Protocol):
 
     Attributes:
         name: the component name.
-        needs: verifier capabilities the drafter needs (a subset of :data:`CAPABILITIES`).
 
-    Optional attributes and methods: ``hidden_layers`` (decoder layer indices whose
-    outputs it needs, with ``layer_hidden``), ``head`` (the name of the draft head
-    it uses, usually its ``head`` option; the pipeline builds it and hands it over
-    as ``ctx.head``), ``attach(model, tokenizer)`` (called once by ``assemble``
-    to check the target before any request), ``supports_batch`` (False).
+    Optional members (defaults in :class:`BaseDrafter`): ``needs`` (verifier
+    capabilities, a subset of :data:`CAPABILITIES`; declared at registration),
+    ``supports_batch`` (declared at registration), ``hidden_layers`` (decoder layer
+    indices whose outputs it needs, with ``layer_hidden``), ``head`` (the name of the
+    draft head it uses, usually its ``head`` option; the pipeline builds it and hands
+    it over as ``ctx.head``), ``head_model`` / ``head_tokenizer`` (a model of its own
+    whose output layer the head reads, and that model's tokenizer), ``uses_verify_cost``,
+    ``deterministic``, ``attach(model, tokenizer)`` (called once by ``assemble`` to
+    check the target before any request).
     """
 
     name: str
-    needs: frozenset
 
     def session(self, ctx: RequestContext) -> DrafterSession:
         """Start a request: a fresh session holding all per-request state."""
@@ -248,14 +257,15 @@ class Verifier(Protocol):
 
     Attributes:
         name: the component name.
-        provides: capabilities from :data:`CAPABILITIES` this verifier provides.
 
-    Optional: ``bind(model, *, layers=())``, called once by ``assemble`` with
-    the decoder layers drafters asked for.
+    Optional members (defaults in :class:`BaseVerifier`): ``provides`` (capabilities
+    from :data:`CAPABILITIES`; declared at registration), ``supports_batch`` (declared
+    at registration), ``layers`` (decoder layers its results carry),
+    ``bind(model, *, layers=())`` (called once by ``assemble`` with the decoder layers
+    drafters asked for), ``verify_batch(model, tokens, caches)`` (the rows of a batch).
     """
 
     name: str
-    provides: frozenset
 
     def verify(self, model: Any, tokens: mx.array, caches: list) -> VerifyResult:
         """Feed ``tokens`` (1-D int array) through ``model`` with ``caches``; return logits per position."""
@@ -263,7 +273,10 @@ class Verifier(Protocol):
 
 @runtime_checkable
 class Acceptor(Protocol):
-    """Turns a block and the target's logits into an accepted prefix plus one token."""
+    """Turns a block and the target's logits into an accepted prefix plus one token.
+
+    No optional members.
+    """
 
     name: str
 
@@ -281,7 +294,10 @@ class Acceptor(Protocol):
 
 @runtime_checkable
 class LayerTransaction(Protocol):
-    """One layer cache's speculative transaction, opened by :meth:`CacheRollback.begin`."""
+    """One layer cache's speculative transaction, opened by :meth:`CacheRollback.begin`.
+
+    No optional members.
+    """
 
     def commit(self, n_fed: int, n_keep: int) -> None:
         """``n_fed`` tokens were fed since ``begin``; keep only the first ``n_keep`` of them."""
@@ -292,7 +308,13 @@ class LayerTransaction(Protocol):
 
 @runtime_checkable
 class CacheRollback(Protocol):
-    """Makes a cache equal to "only the accepted prefix was ever fed"."""
+    """Makes a cache equal to "only the accepted prefix was ever fed".
+
+    Optional members (defaults in :class:`BaseCacheRollback`): ``supports_batch``
+    (whether it rolls back the rows of a batch by different amounts; read from the
+    instance, so it may depend on options), ``bind(plan)`` (called once when a
+    :class:`specdec.RollbackPlan` takes the rollback, before it is asked ``supports``).
+    """
 
     name: str
 
@@ -305,7 +327,13 @@ class CacheRollback(Protocol):
 
 @runtime_checkable
 class GovernorSession(Protocol):
-    """One request's governing state, made by :meth:`Governor.session`."""
+    """One request's governing state, made by :meth:`Governor.session`.
+
+    Optional member (default in :class:`BaseGovernorSession`): ``wants_shadows: bool``
+    (absent: True): whether the pipeline asks the sessions this governor refused for
+    shadow proposals (``RoundResult.shadows``). A governor that does not score them
+    sets it False.
+    """
 
     def budget(self, drafter: str, max_len: int) -> int:
         """How many tokens ``drafter`` may propose this round (0 = skip it); at most ``max_len``."""
@@ -322,14 +350,14 @@ class GovernorSession(Protocol):
     def end(self) -> None:
         """Finish the request."""
 
-    # Optional attribute ``wants_shadows: bool`` (absent: True): whether the pipeline
-    # asks the sessions this governor refused for shadow proposals
-    # (``RoundResult.shadows``). A governor that does not score them sets it False.
-
 
 @runtime_checkable
 class Governor(Protocol):
-    """Decides per round whether and how much a drafter may draft; one session per request."""
+    """Decides per round whether and how much a drafter may draft; one session per request.
+
+    Optional member (default in :class:`BaseGovernor`): ``supports_batch`` (declared
+    at registration).
+    """
 
     name: str
 
@@ -342,21 +370,20 @@ class DraftHead(Protocol):
     """Turns hidden states into draft logits, for drafters that name it (``head`` option).
 
     Built once per (model, options) by the plugin host and shared by every
-    drafter that names it; :meth:`bind` is called once with the target model.
+    drafter that names it; its ``bind`` is called once with the target model.
 
     Attributes:
         name: the component name.
-        vocab_size: the size of the vocabulary its logits cover (must equal the target's).
+
+    Optional members (defaults in :class:`BaseDraftHead`): ``vocab_size`` (the size
+    of the vocabulary its logits cover, must equal the target's; absent or ``None``:
+    not checked), ``bind(model, tokenizer=None)`` (prepare for ``model``: read its
+    output layer, build a coarse copy, ...; ``tokenizer``, which may be ``None``, is
+    passed only when ``bind`` has that parameter), ``stats() -> dict`` (what the head
+    did, JSON-able, copied into ``stats.draft_heads``).
     """
 
     name: str
-    vocab_size: int
-
-    def bind(self, model: Any, tokenizer: Any = None) -> None:
-        """Prepare for ``model`` (read its output layer, build a coarse copy, ...).
-
-        ``tokenizer`` (may be ``None``) is passed only when ``bind`` has that parameter.
-        """
 
     def logits(self, hidden: mx.array, context: Sequence[int] | None = None) -> mx.array:
         """Draft logits ``[n, vocab]`` (float32) for hidden states ``[n, hidden]``.
@@ -366,12 +393,14 @@ class DraftHead(Protocol):
         sampler's probabilities are ``q`` over the candidates (zero elsewhere).
         """
 
-    def stats(self) -> dict:
-        """What the head did (build time, extra memory, ...), JSON-able."""
-
 
 class BaseDrafterSession:
-    """Convenience base class for sessions: no-op ``prefill``/``observe``/``end``, empty ``stats``."""
+    """Convenience base class for sessions: no-op ``prefill``/``observe``/``end``, empty
+    ``stats``, no ``shadow``."""
+
+    #: ``shadow(history, max_len) -> Draft | None``: what it would have proposed on a
+    #: round the governor gave it no budget (``None``: not asked).
+    shadow: Callable[[Sequence[int], int], Draft | None] | None = None
 
     def prefill(self, chunk: PrefillChunk) -> None:
         """Ignore prompt chunks."""
@@ -401,6 +430,10 @@ class BaseDrafter:
     hidden_layers: tuple = ()
     #: The name of the draft head it uses, or ``None``.
     head: str | None = None
+    #: A model of its own whose output layer its head reads (``None``: the target's).
+    head_model: Any = None
+    #: The tokenizer of ``head_model`` (``None``: the pipeline's).
+    head_tokenizer: Any = None
     #: Whether its sessions can run as rows of a batch.
     supports_batch: bool = False
     #: Whether its sessions read ``ctx.cost`` (the pipeline then builds a
@@ -411,6 +444,10 @@ class BaseDrafter:
     #: on a model sharded across ranks, ``q`` is then not broadcast from rank 0 when
     #: every rank proposed the same block.
     deterministic: bool = False
+
+    #: ``attach(model, tokenizer)``: check the target once, at ``assemble``, before any
+    #: request (``None``: nothing to check).
+    attach: Callable[[Any, Any], None] | None = None
 
     def session(self, ctx: RequestContext) -> DrafterSession:  # pragma: no cover
         """Start a request; subclasses override."""
@@ -446,8 +483,182 @@ class BaseGovernor:
     """Convenience base class: a governor whose sessions never limit anything."""
 
     name = "base"
+    #: Whether its sessions can govern rows of a batch.
     supports_batch: bool = False
 
     def session(self, ctx: RequestContext) -> GovernorSession:
         """A :class:`BaseGovernorSession`."""
         return BaseGovernorSession()
+
+
+class BaseVerifier:
+    """Convenience base class for verifiers: logits only, one request at a time."""
+
+    name = "base"
+    #: Capabilities from :data:`CAPABILITIES` it provides.
+    provides: frozenset = frozenset({"logits"})
+    #: Whether it verifies the rows of a batch (then it has ``verify_batch``).
+    supports_batch: bool = False
+    #: Decoder layers whose outputs its results carry.
+    layers: tuple = ()
+    #: ``bind(model, *, layers=())``: told once which decoder layers the drafters read
+    #: (``None``: it captures none, and a policy whose drafters ask for some is refused).
+    bind: Callable[..., None] | None = None
+    #: ``verify_batch(model, tokens, caches)``: one forward over the rows of a batch,
+    #: ``tokens`` ``[B, n]`` (rows right-padded), logits ``[B, n, vocab]`` (``None``:
+    #: it cannot verify rows of a batch).
+    verify_batch: Callable[[Any, Any, list], VerifyResult] | None = None
+
+    def verify(
+        self, model: Any, tokens: mx.array, caches: list
+    ) -> VerifyResult:  # pragma: no cover
+        """One target forward; subclasses override."""
+        raise NotImplementedError(f"verifier {self.name!r} does not implement verify")
+
+
+class BaseCacheRollback:
+    """Convenience base class for cache rollbacks: one request at a time, no ``bind``."""
+
+    name = "base"
+    #: Whether it rolls back the rows of a batch by different amounts.
+    supports_batch: bool = False
+    #: ``bind(plan)``: called once when a :class:`specdec.RollbackPlan` takes it (``None``:
+    #: not called).
+    bind: Callable[[Any], None] | None = None
+
+    def supports(self, cache: Any) -> bool:  # pragma: no cover
+        """Whether it can handle ``cache``; subclasses override."""
+        return False
+
+    def begin(self, cache: Any) -> LayerTransaction:  # pragma: no cover
+        """Open a transaction; subclasses override."""
+        raise NotImplementedError(f"cache rollback {self.name!r} does not implement begin")
+
+
+class BaseDraftHead:
+    """Convenience base class for draft heads: no vocabulary check, nothing to bind, no stats."""
+
+    name = "base"
+    #: The size of the vocabulary its logits cover (``None``: not checked).
+    vocab_size: int | None = None
+
+    def bind(self, model: Any, tokenizer: Any = None) -> None:
+        """Prepare for ``model``; subclasses override (``tokenizer`` may be dropped)."""
+
+    def logits(
+        self, hidden: mx.array, context: Sequence[int] | None = None
+    ) -> mx.array:  # pragma: no cover
+        """Draft logits; subclasses override."""
+        raise NotImplementedError(f"draft head {self.name!r} does not implement logits")
+
+    def stats(self) -> dict:
+        """What the head did."""
+        return {}
+
+
+# -- the declared members, in one place --------------------------------------------------
+
+#: The Protocol of each role whose members the core reads (the registered roles of
+#: :data:`ROLES` plus the per-request sessions and per-layer transactions).
+PROTOCOLS: dict[str, type] = {
+    "drafter": Drafter,
+    "drafter_session": DrafterSession,
+    "verifier": Verifier,
+    "acceptor": Acceptor,
+    "cache_rollback": CacheRollback,
+    "layer_transaction": LayerTransaction,
+    "governor": Governor,
+    "governor_session": GovernorSession,
+    "draft_head": DraftHead,
+}
+
+#: The ``Base*`` class of each role: its optional members and their defaults.
+BASES: dict[str, type | None] = {
+    "drafter": BaseDrafter,
+    "drafter_session": BaseDrafterSession,
+    "verifier": BaseVerifier,
+    "acceptor": None,
+    "cache_rollback": BaseCacheRollback,
+    "layer_transaction": None,
+    "governor": BaseGovernor,
+    "governor_session": BaseGovernorSession,
+    "draft_head": BaseDraftHead,
+}
+
+
+def _protocol_members(proto: type) -> frozenset:
+    names = set(getattr(proto, "__annotations__", {}))
+    names.update(n for n, v in vars(proto).items() if not n.startswith("_") and callable(v))
+    return frozenset(n for n in names if not n.startswith("_"))
+
+
+def _optional_members(base: type | None, required: frozenset) -> dict[str, Any]:
+    # A Base class's public members beyond the Protocol's are the optional ones; a
+    # method's default is None (absent: the core does not call it), an attribute's is
+    # its value on the Base class.
+    if base is None:
+        return {}
+    out: dict[str, Any] = {}
+    for n, v in vars(base).items():
+        if n.startswith("_") or n in required:
+            continue
+        out[n] = None if inspect.isfunction(v) else v
+    return out
+
+
+#: The members each role must have (role -> names), from the Protocols.
+REQUIRED_MEMBERS: dict[str, frozenset] = {
+    role: _protocol_members(proto) for role, proto in PROTOCOLS.items()
+}
+
+#: The members the core reads that a component may leave out, with the value the core
+#: uses when it does: ``{role: {member: default}}``, derived from the ``Base*`` classes
+#: (a method's default is ``None``: the core does not call it).
+OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
+    role: _optional_members(BASES[role], REQUIRED_MEMBERS[role]) for role in PROTOCOLS
+}
+
+#: What a plugin declares when it registers a component (``register(name, factory,
+#: needs=..., ...)``), by role: read before any component is built.
+REGISTRATION_METADATA: dict[str, tuple[str, ...]] = {
+    "drafter": ("needs", "supports_batch"),
+    "verifier": ("provides", "supports_batch"),
+    "governor": ("supports_batch",),
+}
+
+
+def optional(obj: Any, role: str, name: str) -> Any:
+    """Read the optional member ``name`` of ``obj`` (a component of ``role``): its value,
+    or the declared default (:data:`OPTIONAL_MEMBERS`) when ``obj`` lacks it.
+
+    ``obj`` may be ``None`` (no such component): the default comes back.
+
+    Raises:
+        LookupError: ``name`` is not an optional member declared for ``role`` (a
+            programming error in the caller, not a plugin's).
+    """
+    try:
+        default = OPTIONAL_MEMBERS[role][name]
+    except KeyError:
+        if role not in OPTIONAL_MEMBERS:
+            raise LookupError(
+                f"no role {role!r}: roles are {', '.join(OPTIONAL_MEMBERS)}"
+            ) from None
+        declared = ", ".join(sorted(OPTIONAL_MEMBERS[role])) or "(none)"
+        raise LookupError(
+            f"{name!r} is not an optional member of a {role}: declared ones are {declared}"
+        ) from None
+    return getattr(obj, name, default)
+
+
+def missing(obj: Any, role: str) -> list[str]:
+    """The required members of ``role`` (:data:`REQUIRED_MEMBERS`) that ``obj`` lacks: a
+    method that is not callable, an attribute that is absent or empty; sorted."""
+    proto = PROTOCOLS[role]
+    out = []
+    for name in sorted(REQUIRED_MEMBERS[role]):
+        value = getattr(obj, name, None)
+        is_method = callable(vars(proto).get(name))
+        if (is_method and not callable(value)) or (not is_method and not value):
+            out.append(name)
+    return out

@@ -24,6 +24,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from .roles import optional
+
 
 class RollbackUnavailable(Exception):
     """No registered rollback supports a cache; the message says which."""
@@ -200,8 +202,9 @@ class RollbackPlan:
             r for r in rollbacks if r is not forced
         ]
         for r in self.rollbacks:
-            if hasattr(r, "bind"):
-                r.bind(self)
+            bind = optional(r, "cache_rollback", "bind")
+            if bind is not None:
+                bind(self)
         self.assigned: list = []
         self.missing: list[str] = []
         for i, c in enumerate(caches):

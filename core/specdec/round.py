@@ -26,7 +26,7 @@ import attrs
 import mlx.core as mx
 
 from .acceptors import auto_acceptor
-from .roles import Acceptance, RoundResult, VerifyResult
+from .roles import Acceptance, RoundResult, VerifyResult, optional
 
 __all__ = [
     "Round",
@@ -135,11 +135,11 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
     if limit < policy.min_block:
         return
     gov = state.governor
-    shadows = gov is not None and getattr(gov, "wants_shadows", True)
+    shadows = gov is not None and optional(gov, "governor_session", "wants_shadows")
     for name, s in state.sessions:
         budget = min(gov.budget(name, limit), limit) if gov is not None else limit
         if budget < policy.min_block:
-            fn = getattr(s, "shadow", None) if shadows else None
+            fn = optional(s, "drafter_session", "shadow") if shadows else None
             if fn is not None:
                 _shadow(state, rnd, name, fn, limit)
             continue

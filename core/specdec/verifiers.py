@@ -15,10 +15,10 @@ import mlx.core as mx
 
 from .capture import model_taps
 from .errors import PolicyError
-from .roles import VerifyResult
+from .roles import BaseVerifier, VerifyResult
 
 
-class LogitsVerifier:
+class LogitsVerifier(BaseVerifier):
     """Plain logits: ``model(tokens[None], cache=caches)[0]`` as float32."""
 
     name = "logits"
@@ -37,7 +37,7 @@ class LogitsVerifier:
         return VerifyResult(logits=logits.astype(mx.float32))
 
 
-class HiddenStateVerifier:
+class HiddenStateVerifier(BaseVerifier):
     """Logits plus the final hidden states and chosen layers' outputs, for drafters that read them.
 
     Works with mlx-lm models shaped like ``Model(model=<backbone with .norm and .layers>)``.

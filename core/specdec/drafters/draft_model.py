@@ -192,5 +192,5 @@ class DraftModelSession(BaseDrafterSession):
         """Rounds drafted and the tokens drafted per round."""
         out = {"draft_rounds": self.rounds, "num_draft_tokens": self.num_draft_tokens}
         if self.head is not None:
-            out["head"] = getattr(self.head, "name", None)
+            out["head"] = self.head.name
         return out

@@ -17,4 +17,5 @@ def specdec_register_governors(register):
             "Acceptance EMA, probation with capped blocks, and suspension with a doubling "
             "backoff, per drafter (governs any drafter)."
         ),
+        supports_batch=True,
     )

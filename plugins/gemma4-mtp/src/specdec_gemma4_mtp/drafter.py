@@ -328,6 +328,3 @@ def create_gemma4_mtp(**options: Any) -> Gemma4MTPDrafter:
     """
     specdec.options.reject_unknown(NAME, options, DEFAULTS)
     return Gemma4MTPDrafter(**options)
-
-
-create_gemma4_mtp.needs = Gemma4MTPDrafter.needs  # read by assemble before building

@@ -330,6 +330,3 @@ def create_qwen_mtp(**options: Any) -> QwenMTPDrafter:
     """
     specdec.options.reject_unknown(NAME, options, DEFAULTS)
     return QwenMTPDrafter(**options)
-
-
-create_qwen_mtp.needs = QwenMTPDrafter.needs  # read by assemble before building

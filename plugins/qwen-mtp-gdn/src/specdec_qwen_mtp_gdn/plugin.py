@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import specdec
 import specdec.hookspecs
 
 from .rollback import NAME, GatedDeltaRollback
@@ -34,6 +35,33 @@ def specdec_register_drafters(register):
             "Drafts with the native MTP head of Qwen3-Next / Qwen3.5, read from the original "
             "checkpoint (options: mtp_path, depth, max_depth, adaptive, head)."
         ),
+        needs={"hidden"},
+    )
+
+
+@specdec.hookspecs.hookimpl
+def specdec_register_policies(register):
+    """Register the ``mtp`` and ``copy-mtp`` presets."""
+    from .mtp_drafter import NAME as MTP_NAME
+
+    # The model's own MTP head, which reads the target's hidden states; copy-mtp copies
+    # where the context has a match (specdec-plugin-ngram, governed by
+    # specdec-plugin-copy-governor) and uses the head otherwise.
+    register(
+        "mtp",
+        specdec.Policy(name="mtp", drafters=(MTP_NAME,), verifier="hidden"),
+        description="the model's own MTP head drafts",
+    )
+    register(
+        "copy-mtp",
+        specdec.Policy(
+            name="copy-mtp",
+            drafters=("ngram_copy", MTP_NAME),
+            verifier="hidden",
+            governor="copy_governor",
+            options={"copy_governor": {"suspend_after": 5}},
+        ),
+        description="ngram_copy where the context has a match, else the MTP head",
     )
 
 
