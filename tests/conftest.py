@@ -10,6 +10,11 @@ import specdec
 from core_support import SEED_PROMPT
 from specdec.testing import copy_heavy_prompt, make_tiny_model
 
+# Verify forwards use the CPU attention replica whenever it is bit-identical, without
+# the first-use timing: which attention runs must not depend on how busy the machine
+# is while the suite runs (test_attention checks the timing rule on its own).
+os.environ.setdefault("SPECDEC_CPU_ATTENTION", "on")
+
 
 @pytest.fixture(scope="session")
 def models():
