@@ -272,7 +272,9 @@ def test_doctor_json_fields(capsys):
         assert key in b, key
     assert r["matmul_gflops"] > 0
     att = r["verify_attention"]
-    assert att["replica"] is True and att["speedup"] >= 1.1, att
+    # the suite pins the replica on (SPECDEC_CPU_ATTENTION=on, see conftest): untimed
+    assert att["replica"] is True and "bit-identical" in att["reason"], att
+    assert set(att) == {"replica", "reason", "speedup", "description"}
     assert b["matmul_max_abs_error"] < 1e-3
     assert any(p["distribution"] == "specdec-core" for p in r["plugins"])
     if sys.platform.startswith("linux"):
