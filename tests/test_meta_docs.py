@@ -22,7 +22,8 @@ import attrs
 import pytest
 import specdec
 from specdec import hookspecs, roles
-from specdec.policy import PRESETS, Policy
+from specdec.policy import Policy
+from specdec.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

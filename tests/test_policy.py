@@ -6,7 +6,8 @@ import attrs
 import pytest
 import specdec
 from specdec.errors import PolicyError
-from specdec.policy import AUTO, PRESETS, Policy, load_policy
+from specdec.policy import AUTO, Policy
+from specdec.presets import PRESETS, load_policy
 
 # -- defaults and presets ---------------------------------------------------------
 

@@ -8,6 +8,16 @@ Public API::
         print(r.text, end="")
     out = pipe.generate("prompt", max_tokens=256)
     out.text, out.tokens, out.stats
+
+The top level holds what users and plugin authors need most: building and running a
+pipeline, the roles and the records passed between them, the errors, and a few
+helpers. The rest lives in documented submodules: ``specdec.costs`` (the cost model),
+``specdec.options`` (option declarations), ``specdec.drafting`` (the lazy draft loop),
+``specdec.rollback``, ``specdec.heads``, ``specdec.kvview``, ``specdec.capture``,
+``specdec.depth``, ``specdec.shadow``, ``specdec.sampling``, ``specdec.policy``,
+``specdec.plugins``, ``specdec.verifiers``, ``specdec.distributed`` (not loaded by
+``import specdec``), ``specdec.testing`` (the test kit). See docs/writing-plugins.md,
+"From 0.2", for where each 0.2 top-level name went.
 """
 
 from __future__ import annotations
@@ -28,20 +38,10 @@ if _blas_status.action == "too_late":
         stacklevel=2,
     )
 
-from . import drafting, options, training
+from . import drafting as drafting
+from . import options as options
 from .assembly import assemble
 from .batch import Batch, BatchEvent
-from .capture import ModelTaps, TapError, model_taps
-from .costs import (
-    AcceptanceEstimate,
-    BlockChoice,
-    CostModel,
-    RoundOverhead,
-    VerifyCostCurve,
-    best_block,
-    profile_verify_cost,
-)
-from .depth import AdaptiveDepth
 from .errors import (
     DistributedError,
     ModelLoadError,
@@ -51,19 +51,13 @@ from .errors import (
     SpecdecError,
     UnknownComponentError,
 )
-from .heads import ExactHead, OutputLayer, model_vocab_size, output_layer
 from .hookspecs import hookimpl
-from .kvview import KVView, kv_view, kv_views
-from .loading import model_source, set_model_source
-from .paths import cache_dir
 from .pipeline import GenerationResult, Pipeline, StreamResponse
-from .plugins import get_plugin_host, get_plugin_manager, reset_plugin_host, rollback_plan
-from .policy import DEFAULT_POLICY, PRESETS, Policy, default_policy, load_policy
-from .progress import Progress
+from .plugins import get_plugin_host, rollback_plan
+from .policy import Policy
+from .presets import default_policy, load_policy
 from .request import Request
 from .roles import (
-    CAPABILITIES,
-    ROLES,
     Acceptance,
     Acceptor,
     BaseDrafter,
@@ -84,111 +78,124 @@ from .roles import (
     Verifier,
     VerifyResult,
 )
-from .rollback import (
-    BatchKVRollback,
-    KVTrimRollback,
-    RollbackPlan,
-    RollbackUnavailable,
-    RotatingWindowRollback,
-)
-from .sampling import STREAM_DRAFT, Sampler, validate_request
-from .shadow import ShadowScore
+from .sampling import Sampler
 from .stats import Stats
-from .verifiers import HiddenStateVerifier, LogitsVerifier
 
-__version__ = "0.2.16"
+__version__ = "0.3.0"
 
 __all__ = [
-    "CAPABILITIES",
-    "ROLES",
-    "Acceptance",
-    "AcceptanceEstimate",
-    "AdaptiveDepth",
-    "Acceptor",
-    "BaseDrafter",
+    # building and running a pipeline
     "Batch",
     "BatchEvent",
-    "BatchKVRollback",
+    "GenerationResult",
+    "Pipeline",
+    "Policy",
+    "Request",
+    "Stats",
+    "StreamResponse",
+    "assemble",
+    "default_policy",
+    "load_policy",
+    # the roles
+    "Acceptor",
+    "BaseDrafter",
     "BaseDrafterSession",
     "BaseGovernor",
     "BaseGovernorSession",
-    "BlockChoice",
     "CacheRollback",
-    "CostModel",
-    "Draft",
     "DraftHead",
     "Drafter",
     "DrafterSession",
-    "ExactHead",
-    "GenerationResult",
     "Governor",
     "GovernorSession",
-    "HiddenStateVerifier",
-    "KVTrimRollback",
-    "KVView",
     "LayerTransaction",
-    "LogitsVerifier",
-    "ModelTaps",
-    "OutputLayer",
+    "Verifier",
+    # the records passed between them
+    "Acceptance",
+    "Draft",
     "PrefillChunk",
-    "RollbackPlan",
-    "RollbackUnavailable",
-    "RotatingWindowRollback",
-    "TapError",
+    "RequestContext",
+    "RoundResult",
+    "VerifyResult",
+    # what a plugin needs besides
+    "Sampler",
+    "get_plugin_host",
+    "hookimpl",
+    "rollback_plan",
+    # errors
     "DistributedError",
     "ModelLoadError",
-    "DEFAULT_POLICY",
-    "PRESETS",
-    "Pipeline",
     "PluginConflictError",
-    "Policy",
     "PolicyError",
-    "Progress",
-    "RequestContext",
-    "Request",
     "RequestError",
-    "RoundResult",
-    "STREAM_DRAFT",
-    "Sampler",
-    "ShadowScore",
     "SpecdecError",
-    "Stats",
-    "StreamResponse",
     "UnknownComponentError",
-    "Verifier",
-    "VerifyCostCurve",
-    "VerifyResult",
-    "assemble",
-    "best_block",
-    "cache_dir",
-    "default_policy",
-    "get_plugin_host",
-    "get_plugin_manager",
-    "hookimpl",
-    "kv_view",
-    "kv_views",
-    "load_policy",
-    "model_source",
-    "model_taps",
-    "model_vocab_size",
-    "drafting",
-    "options",
-    "training",
-    "output_layer",
-    "profile_verify_cost",
-    "reset_plugin_host",
-    "rollback_plan",
-    "set_model_source",
-    "validate_request",
-    "RoundOverhead",
 ]
+
+#: The 0.2 top-level names that moved to a submodule in 0.3: name -> submodule. They
+#: still resolve (with a DeprecationWarning) until 0.4.
+MOVED = {
+    **dict.fromkeys(
+        (
+            "AcceptanceEstimate",
+            "BlockChoice",
+            "CostModel",
+            "RoundOverhead",
+            "VerifyCostCurve",
+            "best_block",
+            "profile_verify_cost",
+        ),
+        "costs",
+    ),
+    "AdaptiveDepth": "depth",
+    **dict.fromkeys(
+        (
+            "BatchKVRollback",
+            "KVTrimRollback",
+            "RollbackPlan",
+            "RollbackUnavailable",
+            "RotatingWindowRollback",
+        ),
+        "rollback",
+    ),
+    "CAPABILITIES": "roles",
+    "ROLES": "roles",
+    "DEFAULT_POLICY": "presets",
+    "PRESETS": "presets",
+    **dict.fromkeys(("ExactHead", "OutputLayer", "model_vocab_size", "output_layer"), "heads"),
+    "HiddenStateVerifier": "verifiers",
+    "LogitsVerifier": "verifiers",
+    **dict.fromkeys(("KVView", "kv_view", "kv_views"), "kvview"),
+    **dict.fromkeys(("ModelTaps", "TapError", "model_taps"), "capture"),
+    "Progress": "progress",
+    "STREAM_DRAFT": "sampling",
+    "validate_request": "sampling",
+    "ShadowScore": "shadow",
+    "cache_dir": "paths",
+    "get_plugin_manager": "plugins",
+    "reset_plugin_host": "plugins",
+    "model_source": "loading",
+    "set_model_source": "loading",
+}
+
+#: Submodules that ``import specdec`` does not load, loaded on first attribute access.
+_LAZY = ("distributed",)
 
 
 def __getattr__(name: str):
-    # Submodules that `import specdec` does not load (they pull in what most uses of
-    # specdec never need): loaded on first access, as `specdec.distributed`.
-    if name in ("distributed",):
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return importlib.import_module(f".{name}", __name__)
+    if name in MOVED:
+        import warnings
+
+        where = f"specdec.{MOVED[name]}"
+        warnings.warn(
+            f"specdec.{name} moved to {where}.{name} in specdec-core 0.3 (the old name goes "
+            "in 0.4)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(where), name)
     raise AttributeError(f"module 'specdec' has no attribute {name!r}")

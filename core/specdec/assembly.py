@@ -13,7 +13,8 @@ from .composition import check_batch, check_needs
 from .errors import ModelLoadError, PolicyError, UnknownComponentError
 from .pipeline import Pipeline
 from .plugins import PluginHost, get_plugin_host
-from .policy import AUTO, DEFAULT_POLICY, Policy, load_policy
+from .policy import AUTO, Policy
+from .presets import DEFAULT_POLICY, load_policy
 
 __all__ = ["assemble"]
 

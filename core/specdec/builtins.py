@@ -92,9 +92,9 @@ def specdec_register_governors(register):
 @hookimpl
 def specdec_register_policies(register):
     """Register the core's presets, ``none`` and ``draft`` (plugins register the rest)."""
-    from .policy import CORE_PRESETS
-
-    register("none", CORE_PRESETS["none"], description="plain decoding through the same loop")
+    register("none", {"name": "none"}, description="plain decoding through the same loop")
     register(
-        "draft", CORE_PRESETS["draft"], description="the draft_model drafter alone (option model)"
+        "draft",
+        {"name": "draft", "drafters": ["draft_model"]},
+        description="the draft_model drafter alone (option model)",
     )

@@ -27,7 +27,8 @@ import attrs
 
 from ..assembly import assemble
 from ..errors import RequestError
-from ..policy import Policy, load_policy
+from ..policy import Policy
+from ..presets import load_policy
 from .workloads import Workload
 
 KINDS = ("off", "on", "mlx-lm")

@@ -48,7 +48,8 @@ from ..assembly import assemble
 from ..errors import RequestError
 from ..options import parse_value
 from ..pipeline import Pipeline
-from ..policy import Policy, load_policy
+from ..policy import Policy
+from ..presets import load_policy
 from ..sampling import validate_request
 from .progress import Progress
 from .workloads import Workload

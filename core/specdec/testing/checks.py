@@ -17,7 +17,8 @@ import numpy as np
 
 from ..assembly import assemble
 from ..plugins import PluginHost, get_plugin_host, reset_plugin_host
-from ..policy import Policy, load_policy
+from ..policy import Policy
+from ..presets import load_policy
 from ..sampling import Sampler
 
 
