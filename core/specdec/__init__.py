@@ -179,7 +179,7 @@ MOVED = {
 }
 
 #: Submodules that ``import specdec`` does not load, loaded on first attribute access.
-_LAZY = ("distributed",)
+_LAZY = ("distributed", "training")
 
 
 def __getattr__(name: str):
