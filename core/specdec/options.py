@@ -40,6 +40,7 @@ __all__ = [
     "bool_option",
     "fraction_option",
     "int_option",
+    "non_empty",
     "parse_value",
     "reject_unknown",
 ]
@@ -236,6 +237,14 @@ class Options:
             if name in given:
                 values[name] = opt.parse(self.component, given[name])
         return Values(values)
+
+
+def non_empty(value: Any) -> Any:
+    """A ``check`` for :class:`Option`: refuses an empty value (``""``) with the
+    option's usual message."""
+    if not value:
+        raise ValueError
+    return value
 
 
 def reject_unknown(component: str, options: Mapping | Iterable, accepted: Iterable[str]) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import specdec
-from specdec.options import Option, Options
+from specdec.options import Option, Options, non_empty
 
 from .corpus import (
     cached_frequent_tokens,
@@ -50,9 +50,7 @@ GROUP_SIZES = (32, 64, 128)
 
 def _corpus(corpus: str) -> str:
     """``builtin``, or a text file or a folder that exists and has text files."""
-    if not corpus:
-        raise ValueError
-    if corpus != "builtin":
+    if non_empty(corpus) != "builtin":
         if not os.path.exists(os.path.expanduser(corpus)):
             raise ValueError(
                 f"option corpus: no such file or folder: {corpus!r} "
