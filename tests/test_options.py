@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
+import pickle
 
 import pytest
 import specdec
@@ -67,6 +69,7 @@ def test_values_are_read_only():
         values.max_len = 3
     with pytest.raises(AttributeError, match="no option 'nope'"):
         _ = values.nope
+    assert copy.deepcopy(values) == values == pickle.loads(pickle.dumps(values))
 
 
 @pytest.mark.parametrize(

@@ -176,10 +176,15 @@ class Values(Mapping[str, Any]):
         return self._values[name]
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # e.g. copy and pickle probing, before _values is set
+            raise AttributeError(name)
         try:
             return self._values[name]
         except KeyError:
             raise AttributeError(f"no option {name!r}") from None
+
+    def __reduce__(self) -> tuple:
+        return (Values, (self._values,))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("option values are read-only")
