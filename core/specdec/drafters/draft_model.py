@@ -22,6 +22,7 @@ from ..capture import model_taps
 from ..drafting import draft_lazily
 from ..errors import ModelLoadError, PolicyError
 from ..heads import model_vocab_size
+from ..options import Option, Options, non_empty
 from ..roles import (
     BaseDrafter,
     BaseDrafterSession,
@@ -31,6 +32,16 @@ from ..roles import (
     RoundResult,
 )
 from ..rollback import build_plan
+
+#: The options of ``draft_model``.
+OPTIONS = Options(
+    "draft_model",
+    [
+        Option("model", accepted="a path, Hub id or mlx-lm model"),
+        Option("num_draft_tokens", int, default=4, minimum=1),
+        Option("head", str, check=non_empty, accepted="a draft head name"),
+    ],
+)
 
 
 class DraftModelDrafter(BaseDrafter):
@@ -51,30 +62,26 @@ class DraftModelDrafter(BaseDrafter):
     #: target: q need not be broadcast.
     deterministic = True
 
-    def __init__(self, model: Any = None, num_draft_tokens: int = 4, head: str | None = None):
-        if model is None:
+    def __init__(
+        self,
+        model: Any = None,
+        num_draft_tokens: int = OPTIONS.defaults["num_draft_tokens"],
+        head: str | None = None,
+    ):
+        o = OPTIONS.parse({"model": model, "num_draft_tokens": num_draft_tokens, "head": head})
+        if o.model is None:
             raise PolicyError(
                 "drafter 'draft_model' needs option 'model' (a path, Hub id or mlx-lm model); "
                 "use --draft-model PATH or Policy.with_options('draft_model', model=...)"
             )
-        if (
-            not isinstance(num_draft_tokens, int)
-            or isinstance(num_draft_tokens, bool)
-            or num_draft_tokens < 1
-        ):
-            raise PolicyError(
-                f"draft_model option num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}"
-            )
-        if isinstance(model, (str, os.PathLike)):
+        if isinstance(o.model, (str, os.PathLike)):
             from ..loading import load_model
 
-            self.model, self.tokenizer = load_model(os.fspath(model), what="draft model")
+            self.model, self.tokenizer = load_model(os.fspath(o.model), what="draft model")
         else:
-            self.model, self.tokenizer = model, None
-        self.num_draft_tokens = num_draft_tokens
-        if head is not None and (not isinstance(head, str) or not head):
-            raise PolicyError(f"draft_model option head must be a draft head name, got {head!r}")
-        self.head = head
+            self.model, self.tokenizer = o.model, None
+        self.num_draft_tokens = o.num_draft_tokens
+        self.head = o.head
         #: The head (if any) reads the draft model's output layer, not the target's.
         self.head_model = self.model if head is not None else None
         self.head_tokenizer = self.tokenizer

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import specdec
+from specdec.options import Option, Options, non_empty
 
 from .corpus import (
     cached_frequent_tokens,
@@ -46,17 +47,58 @@ KINDS = ("auto", "quant", "pruned", "full")
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 
-DEFAULTS: dict[str, Any] = {
-    "kind": "auto",
-    "candidates": 64,
-    "bits": 3,
-    "group_size": 64,
-    "keep": 16384,
-    "corpus": "builtin",
-    "context_tokens": True,
-    "chunk_rows": 8192,
-    "timing_reps": 15,
-}
+
+def _corpus(corpus: str) -> str:
+    """``builtin``, or a text file or a folder that exists and has text files."""
+    if non_empty(corpus) != "builtin":
+        if not os.path.exists(os.path.expanduser(corpus)):
+            raise ValueError(
+                f"option corpus: no such file or folder: {corpus!r} "
+                "(give 'builtin', a text file or a folder of .txt/.md/.py files)"
+            )
+        if not corpus_files(corpus):
+            raise ValueError(
+                f"option corpus: the folder {corpus!r} has no .txt, .md or .py "
+                "file (give 'builtin', a text file or a folder of them)"
+            )
+    return corpus
+
+
+#: The options of ``coarse_head``.
+OPTIONS = Options(
+    NAME,
+    [
+        Option("kind", str, default="auto", choices=KINDS, accepted=f"one of {', '.join(KINDS)}"),
+        Option("candidates", int, default=64, minimum=1),
+        Option(
+            "bits",
+            int,
+            default=3,
+            choices=BITS,
+            accepted=f"one of {', '.join(map(str, BITS))} (the widths MLX quantizes to)",
+        ),
+        Option(
+            "group_size",
+            int,
+            default=64,
+            choices=GROUP_SIZES,
+            accepted=f"one of {', '.join(map(str, GROUP_SIZES))}",
+        ),
+        Option("keep", int, default=16384, minimum=1),
+        Option(
+            "corpus",
+            str,
+            default="builtin",
+            check=_corpus,
+            accepted="'builtin', a text file or a folder",
+        ),
+        Option("context_tokens", bool, default=True),
+        Option("chunk_rows", int, default=8192, minimum=1),
+        Option("timing_reps", int, default=15, minimum=1),
+    ],
+)
+#: Default options of ``coarse_head``.
+DEFAULTS: Mapping[str, Any] = OPTIONS.defaults
 
 
 class CoarseHead:
@@ -76,60 +118,16 @@ class CoarseHead:
 
     name = NAME
 
-    def __init__(
-        self,
-        kind: str = DEFAULTS["kind"],
-        candidates: int = DEFAULTS["candidates"],
-        bits: int = DEFAULTS["bits"],
-        group_size: int = DEFAULTS["group_size"],
-        keep: int = DEFAULTS["keep"],
-        corpus: str = DEFAULTS["corpus"],
-        context_tokens: bool = DEFAULTS["context_tokens"],
-        chunk_rows: int = DEFAULTS["chunk_rows"],
-        timing_reps: int = DEFAULTS["timing_reps"],
-    ):
-        if not isinstance(kind, str) or kind not in KINDS:
-            raise specdec.PolicyError(
-                f"{NAME}: option kind must be one of {', '.join(KINDS)}, got {kind!r}"
-            )
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-            raise specdec.PolicyError(
-                f"{NAME}: option bits must be one of {', '.join(map(str, BITS))} "
-                f"(the widths MLX quantizes to), got {bits!r}"
-            )
-        if (
-            isinstance(group_size, bool)
-            or not isinstance(group_size, int)
-            or group_size not in GROUP_SIZES
-        ):
-            raise specdec.PolicyError(
-                f"{NAME}: option group_size must be one of "
-                f"{', '.join(map(str, GROUP_SIZES))}, got {group_size!r}"
-            )
-        if not isinstance(corpus, str) or not corpus:
-            raise specdec.PolicyError(
-                f"{NAME}: option corpus must be 'builtin', a text file or a folder, got {corpus!r}"
-            )
-        if corpus != "builtin":
-            if not os.path.exists(os.path.expanduser(corpus)):
-                raise specdec.PolicyError(
-                    f"{NAME}: option corpus: no such file or folder: {corpus!r} "
-                    "(give 'builtin', a text file or a folder of .txt/.md/.py files)"
-                )
-            if not corpus_files(corpus):
-                raise specdec.PolicyError(
-                    f"{NAME}: option corpus: the folder {corpus!r} has no .txt, .md or .py "
-                    "file (give 'builtin', a text file or a folder of them)"
-                )
-        opt = specdec.options
-        self.kind = kind
-        self.candidates = opt.int_option(NAME, "candidates", candidates, 1)
-        self.bits, self.group_size = bits, group_size
-        self.keep = opt.int_option(NAME, "keep", keep, 1)
-        self.corpus = corpus
-        self.context_tokens = opt.bool_option(NAME, "context_tokens", context_tokens)
-        self.chunk_rows = opt.int_option(NAME, "chunk_rows", chunk_rows, 1)
-        self.timing_reps = opt.int_option(NAME, "timing_reps", timing_reps, 1)
+    def __init__(self, **options: Any):
+        o = OPTIONS.parse(options)
+        self.kind = o.kind
+        self.candidates = o.candidates
+        self.bits, self.group_size = o.bits, o.group_size
+        self.keep = o.keep
+        self.corpus = o.corpus
+        self.context_tokens = o.context_tokens
+        self.chunk_rows = o.chunk_rows
+        self.timing_reps = o.timing_reps
         self.vocab_size: int | None = None
         self.out: Any = None
         self.chosen: str | None = None
@@ -355,5 +353,4 @@ def create_coarse_head(**options: Any) -> CoarseHead:
     Raises:
         specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
     """
-    specdec.options.reject_unknown(NAME, options, DEFAULTS)
     return CoarseHead(**options)

@@ -38,23 +38,36 @@ from typing import Any
 
 import specdec
 from specdec import BaseGovernor, BaseGovernorSession, RequestContext, RoundResult, ShadowScore
+from specdec.options import Option, Options
 
 NAME = "copy_governor"
 
-#: Default options of ``copy_governor`` (see the README for what each one does).
-DEFAULTS: Mapping[str, Any] = {
-    "alpha": 0.3,
-    "good_fraction": 0.5,
-    "poor_fraction": 0.25,
-    "probation_rounds": 2,
-    "probation_cap": 4,
-    "shrink_below": 0.3,
-    "suspend_after": 3,
-    "suspend_rounds": 8,
-    "max_suspend_rounds": 256,
-    "shadow": True,
-    "resume_matches": 2,
-}
+
+def _above_zero(value: float) -> float:
+    if value == 0:
+        raise ValueError(f"option alpha must be > 0, got {value!r}")
+    return float(value)
+
+
+#: The options of ``copy_governor`` (see the README for what each one does).
+OPTIONS = Options(
+    NAME,
+    [
+        Option("alpha", float, default=0.3, minimum=0, maximum=1, check=_above_zero),
+        Option("good_fraction", float, default=0.5, minimum=0, maximum=1),
+        Option("poor_fraction", float, default=0.25, minimum=0, maximum=1),
+        Option("probation_rounds", int, default=2, minimum=0),
+        Option("probation_cap", int, default=4, minimum=1),
+        Option("shrink_below", float, default=0.3, minimum=0, maximum=1),
+        Option("suspend_after", int, default=3, minimum=1),
+        Option("suspend_rounds", int, default=8, minimum=1),
+        Option("max_suspend_rounds", int, default=256, minimum=1),
+        Option("shadow", bool, default=True),
+        Option("resume_matches", int, default=2, minimum=1),
+    ],
+)
+#: Default options of ``copy_governor``.
+DEFAULTS: Mapping[str, Any] = OPTIONS.defaults
 
 
 class DrafterState:
@@ -104,14 +117,6 @@ class DrafterState:
         self.shadow_extensions = 0  # suspensions extended by poor shadow outcomes
 
 
-def _check_fraction(label: str, value: Any) -> float:
-    return specdec.options.fraction_option(NAME, label, value)
-
-
-def _check_int(label: str, value: Any, minimum: int) -> int:
-    return specdec.options.int_option(NAME, label, value, minimum)
-
-
 class CopyGovernor(BaseGovernor):
     """Caps and suspends drafters whose blocks are not accepted.
 
@@ -142,44 +147,29 @@ class CopyGovernor(BaseGovernor):
     #: Sessions keep only their own counts: rows of a batch are independent.
     supports_batch = True
 
-    def __init__(
-        self,
-        *,
-        alpha: float = DEFAULTS["alpha"],
-        good_fraction: float = DEFAULTS["good_fraction"],
-        poor_fraction: float = DEFAULTS["poor_fraction"],
-        probation_rounds: int = DEFAULTS["probation_rounds"],
-        probation_cap: int = DEFAULTS["probation_cap"],
-        shrink_below: float = DEFAULTS["shrink_below"],
-        suspend_after: int = DEFAULTS["suspend_after"],
-        suspend_rounds: int = DEFAULTS["suspend_rounds"],
-        max_suspend_rounds: int = DEFAULTS["max_suspend_rounds"],
-        shadow: bool = DEFAULTS["shadow"],
-        resume_matches: int = DEFAULTS["resume_matches"],
-    ) -> None:
-        self.alpha = _check_fraction("alpha", alpha)
-        if self.alpha == 0.0:
-            raise specdec.PolicyError(f"{NAME}: option alpha must be > 0, got {alpha!r}")
-        self.good_fraction = _check_fraction("good_fraction", good_fraction)
-        self.poor_fraction = _check_fraction("poor_fraction", poor_fraction)
-        if self.poor_fraction >= self.good_fraction:
+    def __init__(self, **options: Any) -> None:
+        o = OPTIONS.parse(options)
+        if o.poor_fraction >= o.good_fraction:
             raise specdec.PolicyError(
-                f"{NAME}: poor_fraction ({poor_fraction}) must be below good_fraction "
-                f"({good_fraction})"
+                f"{NAME}: poor_fraction ({o.poor_fraction}) must be below good_fraction "
+                f"({o.good_fraction})"
             )
-        self.probation_rounds = _check_int("probation_rounds", probation_rounds, 0)
-        self.probation_cap = _check_int("probation_cap", probation_cap, 1)
-        self.shrink_below = _check_fraction("shrink_below", shrink_below)
-        self.suspend_after = _check_int("suspend_after", suspend_after, 1)
-        self.suspend_rounds = _check_int("suspend_rounds", suspend_rounds, 1)
-        self.max_suspend_rounds = _check_int("max_suspend_rounds", max_suspend_rounds, 1)
-        if self.max_suspend_rounds < self.suspend_rounds:
+        if o.max_suspend_rounds < o.suspend_rounds:
             raise specdec.PolicyError(
-                f"{NAME}: max_suspend_rounds ({max_suspend_rounds}) must be >= "
-                f"suspend_rounds ({suspend_rounds})"
+                f"{NAME}: max_suspend_rounds ({o.max_suspend_rounds}) must be >= "
+                f"suspend_rounds ({o.suspend_rounds})"
             )
-        self.shadow = specdec.options.bool_option(NAME, "shadow", shadow)
-        self.resume_matches = _check_int("resume_matches", resume_matches, 1)
+        self.alpha = o.alpha
+        self.good_fraction = o.good_fraction
+        self.poor_fraction = o.poor_fraction
+        self.probation_rounds = o.probation_rounds
+        self.probation_cap = o.probation_cap
+        self.shrink_below = o.shrink_below
+        self.suspend_after = o.suspend_after
+        self.suspend_rounds = o.suspend_rounds
+        self.max_suspend_rounds = o.max_suspend_rounds
+        self.shadow = o.shadow
+        self.resume_matches = o.resume_matches
 
     # -- the Governor protocol ----------------------------------------------------
 
@@ -381,5 +371,4 @@ def create_copy_governor(**options: Any) -> CopyGovernor:
     Raises:
         specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
     """
-    specdec.options.reject_unknown(NAME, options, DEFAULTS)
     return CopyGovernor(**options)

@@ -21,7 +21,7 @@ The queries' RoPE position is the bonus token's (``n - 1``, Hugging Face's conve
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from specdec import (
     RequestContext,
     RoundResult,
 )
+from specdec.options import Option, Options
 
 from .assistant import AssistantLoadError
 from .checkpoint import load_assistant
@@ -43,29 +44,34 @@ from .target import bind_target
 
 NAME = "gemma4_mtp"
 
-#: Default options of ``gemma4_mtp`` (see the README).
-DEFAULTS: dict[str, Any] = {
-    "assistant": None,
-    "depth": None,
-    "max_depth": None,
-    "adaptive": True,
-    "grow_at": 0.65,
-    "shrink_below": 0.3,
-    "window": 32,
-    "position": None,
-    "centroids": "auto",
-    "sampled_drafts": "sample",
-}
-
 POSITIONS = ("bonus", "last")
 
-
-def _int(label: str, v: Any, lo: int) -> int:
-    return specdec.options.int_option(NAME, label, v, lo)
-
-
-def _frac(label: str, v: Any) -> float:
-    return specdec.options.fraction_option(NAME, label, v)
+#: The options of ``gemma4_mtp`` (see the README).
+OPTIONS = Options(
+    NAME,
+    [
+        Option("assistant", (str, os.PathLike), accepted="a folder path"),
+        Option("depth", int, minimum=1),
+        Option("max_depth", int, minimum=1),
+        Option("adaptive", bool, default=True),
+        Option("grow_at", float, default=0.65, minimum=0, maximum=1),
+        Option("shrink_below", float, default=0.3, minimum=0, maximum=1),
+        Option("window", int, default=32, minimum=2),
+        Option("position", str, choices=POSITIONS),
+        Option(
+            "centroids", str, default="auto", choices=("auto", "off"), accepted="'auto' or 'off'"
+        ),
+        Option(
+            "sampled_drafts",
+            str,
+            default="sample",
+            choices=("sample", "greedy"),
+            accepted="'sample' or 'greedy'",
+        ),
+    ],
+)
+#: Default options of ``gemma4_mtp``.
+DEFAULTS: Mapping[str, Any] = OPTIONS.defaults
 
 
 class Gemma4MTPDrafter(BaseDrafter):
@@ -97,59 +103,28 @@ class Gemma4MTPDrafter(BaseDrafter):
     name = NAME
     needs = frozenset({"hidden", "kv"})
 
-    def __init__(
-        self,
-        *,
-        assistant: str | os.PathLike | None = DEFAULTS["assistant"],
-        depth: int | None = DEFAULTS["depth"],
-        max_depth: int | None = DEFAULTS["max_depth"],
-        adaptive: bool = DEFAULTS["adaptive"],
-        grow_at: float = DEFAULTS["grow_at"],
-        shrink_below: float = DEFAULTS["shrink_below"],
-        window: int = DEFAULTS["window"],
-        position: str | None = DEFAULTS["position"],
-        centroids: str = DEFAULTS["centroids"],
-        sampled_drafts: str = DEFAULTS["sampled_drafts"],
-    ) -> None:
-        if assistant is None:
+    def __init__(self, **options: Any) -> None:
+        o = OPTIONS.parse(options)
+        if o.assistant is None:
             raise specdec.PolicyError(
                 f"{NAME}: option assistant is required: the folder of a Gemma 4 assistant "
                 "checkpoint (config.json with model_type 'gemma4_assistant' + safetensors), "
                 f"e.g. options = {{'{NAME}': {{'assistant': 'path/to/gemma-4-E2B-it-assistant'}}}}"
             )
-        if not isinstance(assistant, (str, os.PathLike)):
+        if o.depth is not None and o.max_depth is not None and o.max_depth < o.depth:
             raise specdec.PolicyError(
-                f"{NAME}: option assistant must be a folder path, got {assistant!r}"
+                f"{NAME}: max_depth ({o.max_depth}) must be >= depth ({o.depth})"
             )
-        self.assistant_path = Path(os.fspath(assistant)).expanduser()
-        self.depth = None if depth is None else _int("depth", depth, 1)
-        self.max_depth = None if max_depth is None else _int("max_depth", max_depth, 1)
-        if self.depth is not None and self.max_depth is not None and self.max_depth < self.depth:
-            raise specdec.PolicyError(f"{NAME}: max_depth ({max_depth}) must be >= depth ({depth})")
-        if not isinstance(adaptive, bool):
-            raise specdec.PolicyError(
-                f"{NAME}: option adaptive must be true or false, got {adaptive!r}"
-            )
-        self.adaptive = adaptive
-        self.grow_at = _frac("grow_at", grow_at)
-        self.shrink_below = _frac("shrink_below", shrink_below)
-        self.window = _int("window", window, 2)
-        if position is not None and position not in POSITIONS:
-            raise specdec.PolicyError(
-                f"{NAME}: option position must be one of {list(POSITIONS)}, got {position!r}"
-            )
-        self.position = position
-        if centroids not in ("auto", "off"):
-            raise specdec.PolicyError(
-                f"{NAME}: option centroids must be 'auto' or 'off', got {centroids!r}"
-            )
-        self.centroids = centroids
-        if sampled_drafts not in ("sample", "greedy"):
-            raise specdec.PolicyError(
-                f"{NAME}: option sampled_drafts must be 'sample' or 'greedy', got "
-                f"{sampled_drafts!r}"
-            )
-        self.sampled_drafts = sampled_drafts
+        self.assistant_path = Path(os.fspath(o.assistant)).expanduser()
+        self.depth = o.depth
+        self.max_depth = o.max_depth
+        self.adaptive = o.adaptive
+        self.grow_at = o.grow_at
+        self.shrink_below = o.shrink_below
+        self.window = o.window
+        self.position = o.position
+        self.centroids = o.centroids
+        self.sampled_drafts = o.sampled_drafts
         self.module = None
         self.config = None
         self.binding = None
@@ -326,5 +301,4 @@ def create_gemma4_mtp(**options: Any) -> Gemma4MTPDrafter:
     Raises:
         specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
     """
-    specdec.options.reject_unknown(NAME, options, DEFAULTS)
     return Gemma4MTPDrafter(**options)

@@ -55,6 +55,7 @@ from specdec import (
     ShadowScore,
     best_block,
 )
+from specdec.options import Option, Options
 
 from .index import NgramIndex, NgramMatch
 from .store import CopyStore, CopyStoreError
@@ -79,28 +80,6 @@ STORE_BUCKET = len(MATCH_BUCKETS) + 1
 #: (as accepted that far), so a copy that resumes is drafted again within two steps.
 SHADOW_EARLY = 2
 
-#: Default options of ``ngram_copy`` (see the README for what each one does).
-DEFAULTS: Mapping[str, Any] = {
-    "source": "all",
-    "min_n": 2,
-    "max_n": 8,
-    "ladder": ((2, 4), (4, 8), (8, 16)),
-    "max_block": 16,
-    "max_edits": 1,
-    "realign": True,
-    "sizing": "cost",
-    "continuation": "frequent",
-    "min_share": 0.0,
-    "vote_floor": 32,
-    "round_overhead": True,
-    "overhead_quantum": 0.25,
-    "learn": "block",
-    "learn_bonus": False,
-    "decay": 0.95,
-    "store": False,
-    "store_max_tokens": 200_000,
-}
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -113,20 +92,69 @@ def _parse_ladder(value: Any) -> tuple[tuple[int, int], ...]:
     except TypeError:
         rungs = None
     if not rungs or any(len(r) != 2 or not all(_is_int(x) for x in r) for r in rungs):
-        raise specdec.PolicyError(
-            f"{NAME}: option ladder must be a non-empty list of [match_len, block] "
+        raise ValueError(
+            "option ladder must be a non-empty list of [match_len, block] "
             f"integer pairs, e.g. [[2, 4], [4, 8], [8, 16]]; got {value!r}"
         )
     prev = 0
     for match_len, block in rungs:
         if match_len <= prev:
-            raise specdec.PolicyError(
-                f"{NAME}: ladder match lengths must be >= 1 and strictly increasing; got {value!r}"
+            raise ValueError(
+                f"ladder match lengths must be >= 1 and strictly increasing; got {value!r}"
             )
         if block < 1:
-            raise specdec.PolicyError(f"{NAME}: ladder block sizes must be >= 1; got {value!r}")
+            raise ValueError(f"ladder block sizes must be >= 1; got {value!r}")
         prev = match_len
     return tuple((int(m), int(b)) for m, b in rungs)
+
+
+def _store(value: Any) -> Any:
+    """A store option: a bool, or a path that is not empty."""
+    if not isinstance(value, bool) and not os.fspath(value):
+        raise ValueError
+    return value
+
+
+#: The options of ``ngram_copy`` (see the README for what each one does).
+OPTIONS = Options(
+    NAME,
+    [
+        Option("source", str, default="all", choices=SOURCES),
+        Option("min_n", int, default=2, minimum=1),
+        Option("max_n", int, default=8, minimum=1),
+        Option("ladder", default=((2, 4), (4, 8), (8, 16)), check=_parse_ladder),
+        Option("max_block", int, default=16, minimum=1),
+        Option("max_edits", int, default=1, minimum=0, maximum=2, accepted="0, 1 or 2"),
+        Option("realign", bool, default=True),
+        Option("sizing", str, default="cost", choices=SIZINGS),
+        Option("continuation", str, default="frequent", choices=CONTINUATIONS),
+        Option("min_share", float, default=0.0, minimum=0, maximum=1),
+        Option("vote_floor", int, default=32, minimum=1),
+        Option("round_overhead", bool, default=True),
+        Option(
+            "overhead_quantum",
+            float,
+            default=0.25,
+            minimum=0,
+            maximum=1,
+            accepted="a number in [0, 1] (a share of a one-token step; 0: the measurements "
+            "as they are)",
+        ),
+        Option("learn", str, default="block", choices=LEARNS),
+        Option("learn_bonus", bool, default=False),
+        Option("decay", float, default=0.95, minimum=0, maximum=1, exclusive_minimum=True),
+        Option(
+            "store",
+            (bool, str, os.PathLike),
+            default=False,
+            check=_store,
+            accepted="true, false or a file path",
+        ),
+        Option("store_max_tokens", int, default=200_000, minimum=1),
+    ],
+)
+#: Default options of ``ngram_copy``.
+DEFAULTS: Mapping[str, Any] = OPTIONS.defaults
 
 
 class NgramCopyDrafter(BaseDrafter):
@@ -215,123 +243,36 @@ class NgramCopyDrafter(BaseDrafter):
     #: Sessions keep only their own history and store: rows of a batch are independent.
     supports_batch = True
 
-    def __init__(
-        self,
-        *,
-        source: str = DEFAULTS["source"],
-        min_n: int = DEFAULTS["min_n"],
-        max_n: int = DEFAULTS["max_n"],
-        ladder: Sequence[Sequence[int]] = DEFAULTS["ladder"],
-        max_block: int = DEFAULTS["max_block"],
-        max_edits: int = DEFAULTS["max_edits"],
-        realign: bool = DEFAULTS["realign"],
-        sizing: str = DEFAULTS["sizing"],
-        continuation: str = DEFAULTS["continuation"],
-        min_share: float = DEFAULTS["min_share"],
-        vote_floor: int = DEFAULTS["vote_floor"],
-        round_overhead: bool = DEFAULTS["round_overhead"],
-        overhead_quantum: float = DEFAULTS["overhead_quantum"],
-        learn: str = DEFAULTS["learn"],
-        learn_bonus: bool = DEFAULTS["learn_bonus"],
-        decay: float = DEFAULTS["decay"],
-        store: bool | str | os.PathLike = DEFAULTS["store"],
-        store_max_tokens: int = DEFAULTS["store_max_tokens"],
-    ) -> None:
-        if source not in SOURCES:
-            raise specdec.PolicyError(
-                f"{NAME}: option source must be one of {list(SOURCES)}, got {source!r}"
-            )
-        for label, value in (
-            ("min_n", min_n),
-            ("max_n", max_n),
-            ("max_block", max_block),
-            ("vote_floor", vote_floor),
-        ):
-            if not _is_int(value) or value < 1:
-                raise specdec.PolicyError(
-                    f"{NAME}: option {label} must be an integer >= 1, got {value!r}"
-                )
-        if min_n > max_n:
-            raise specdec.PolicyError(f"{NAME}: min_n ({min_n}) must be <= max_n ({max_n})")
-        if not _is_int(max_edits) or not 0 <= max_edits <= 2:
-            raise specdec.PolicyError(
-                f"{NAME}: option max_edits must be 0, 1 or 2, got {max_edits!r}"
-            )
-        for label, value in (
-            ("realign", realign),
-            ("round_overhead", round_overhead),
-            ("learn_bonus", learn_bonus),
-        ):
-            if not isinstance(value, bool):
-                raise specdec.PolicyError(
-                    f"{NAME}: option {label} must be true or false, got {value!r}"
-                )
-        if sizing not in SIZINGS:
-            raise specdec.PolicyError(
-                f"{NAME}: option sizing must be one of {list(SIZINGS)}, got {sizing!r}"
-            )
-        if learn not in LEARNS:
-            raise specdec.PolicyError(
-                f"{NAME}: option learn must be one of {list(LEARNS)}, got {learn!r}"
-            )
-        if continuation not in CONTINUATIONS:
-            raise specdec.PolicyError(
-                f"{NAME}: option continuation must be one of {list(CONTINUATIONS)}, "
-                f"got {continuation!r}"
-            )
-        for label, value, lo_open in (("min_share", min_share, False), ("decay", decay, True)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (0.0 < value <= 1.0 if lo_open else 0.0 <= value <= 1.0)
-            ):
-                rng = "(0, 1]" if lo_open else "[0, 1]"
-                raise specdec.PolicyError(
-                    f"{NAME}: option {label} must be a number in {rng}, got {value!r}"
-                )
-        if not isinstance(store, (bool, str, os.PathLike)) or (
-            not isinstance(store, bool) and not os.fspath(store)
-        ):
-            raise specdec.PolicyError(
-                f"{NAME}: option store must be true, false or a file path, got {store!r}"
-            )
-        if (
-            isinstance(overhead_quantum, bool)
-            or not isinstance(overhead_quantum, (int, float))
-            or not 0.0 <= overhead_quantum <= 1.0
-        ):
-            raise specdec.PolicyError(
-                f"{NAME}: option overhead_quantum must be a number in [0, 1] (a share of a "
-                f"one-token step; 0: the measurements as they are), got {overhead_quantum!r}"
-            )
-        if not _is_int(store_max_tokens) or store_max_tokens < 1:
-            raise specdec.PolicyError(
-                f"{NAME}: option store_max_tokens must be an integer >= 1, got {store_max_tokens!r}"
-            )
-        self.store_max_tokens = store_max_tokens
+    def __init__(self, **options: Any) -> None:
+        o = OPTIONS.parse(options)
+        if o.min_n > o.max_n:
+            raise specdec.PolicyError(f"{NAME}: min_n ({o.min_n}) must be <= max_n ({o.max_n})")
+        self.store_max_tokens = o.store_max_tokens
         self.store: CopyStore | None = None
-        if store is not False:
-            path = None if store is True else os.path.expanduser(os.fspath(store))
+        if o.store is not False:
+            path = None if o.store is True else os.path.expanduser(os.fspath(o.store))
             try:
-                self.store = CopyStore(path, max_tokens=store_max_tokens, min_n=min_n, max_n=max_n)
+                self.store = CopyStore(
+                    path, max_tokens=o.store_max_tokens, min_n=o.min_n, max_n=o.max_n
+                )
             except (CopyStoreError, OSError) as exc:
                 raise specdec.PolicyError(f"{NAME}: option store: {exc}") from exc
-        self.sizing = sizing
-        self.continuation = continuation
-        self.min_share = float(min_share)
-        self.vote_floor = vote_floor
-        self.round_overhead = round_overhead
-        self.overhead_quantum = float(overhead_quantum)
-        self.learn = learn
-        self.learn_bonus = learn_bonus
-        self.decay = float(decay)
-        self.source = source
-        self.min_n = min_n
-        self.max_n = max_n
-        self.ladder = _parse_ladder(ladder)
-        self.max_block = max_block
-        self.max_edits = max_edits
-        self.realign = realign
+        self.sizing = o.sizing
+        self.continuation = o.continuation
+        self.min_share = o.min_share
+        self.vote_floor = o.vote_floor
+        self.round_overhead = o.round_overhead
+        self.overhead_quantum = o.overhead_quantum
+        self.learn = o.learn
+        self.learn_bonus = o.learn_bonus
+        self.decay = o.decay
+        self.source = o.source
+        self.min_n = o.min_n
+        self.max_n = o.max_n
+        self.ladder = o.ladder
+        self.max_block = o.max_block
+        self.max_edits = o.max_edits
+        self.realign = o.realign
 
     # -- the Drafter protocol -------------------------------------------------------
 
@@ -832,5 +773,4 @@ def create_ngram_copy(**options: Any) -> NgramCopyDrafter:
     Raises:
         specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
     """
-    specdec.options.reject_unknown(NAME, options, DEFAULTS)
     return NgramCopyDrafter(**options)

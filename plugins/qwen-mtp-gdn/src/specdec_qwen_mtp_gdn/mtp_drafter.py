@@ -23,7 +23,7 @@ sampling they are drawn from the head's distribution with the request's sampler
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,36 +38,45 @@ from specdec import (
     RequestContext,
     RoundResult,
 )
+from specdec.options import Option, Options, non_empty
 
 from .mtp import MTPLoadError, load_mtp, text_model
 
 NAME = "qwen_mtp"
 
-#: Default options of ``qwen_mtp`` (see the README).
-DEFAULTS: dict[str, Any] = {
-    "mtp_path": None,
-    "depth": 3,
-    "max_depth": 6,
-    "adaptive": True,
-    "grow_at": 0.65,
-    "shrink_below": 0.3,
-    "window": 32,
-    "head": "exact",
-    "norm_shift": True,
-    "sampled_drafts": "sample",
-}
+#: The options of ``qwen_mtp`` (see the README).
+OPTIONS = Options(
+    NAME,
+    [
+        Option("mtp_path", (str, os.PathLike), accepted="a folder or file path"),
+        Option("depth", int, default=3, minimum=1),
+        Option("max_depth", int, default=6, minimum=1),
+        Option("adaptive", bool, default=True),
+        Option("grow_at", float, default=0.65, minimum=0, maximum=1),
+        Option("shrink_below", float, default=0.3, minimum=0, maximum=1),
+        Option("window", int, default=32, minimum=2),
+        Option("head", str, default="exact", check=non_empty, accepted="a draft head name"),
+        Option(
+            "norm_shift",
+            default=True,
+            choices=("auto", True, False),
+            accepted="'auto', true or false",
+        ),
+        Option(
+            "sampled_drafts",
+            str,
+            default="sample",
+            choices=("sample", "greedy"),
+            accepted="'sample' or 'greedy'",
+        ),
+    ],
+)
+#: Default options of ``qwen_mtp``.
+DEFAULTS: Mapping[str, Any] = OPTIONS.defaults
 
 #: Pending target hidden rows fed eagerly once this many accumulate (rounds other
 #: drafters won), so memory stays bounded.
 _MAX_PENDING = 256
-
-
-def _int(label: str, v: Any, lo: int) -> int:
-    return specdec.options.int_option(NAME, label, v, lo)
-
-
-def _frac(label: str, v: Any) -> float:
-    return specdec.options.fraction_option(NAME, label, v)
 
 
 class QwenMTPDrafter(BaseDrafter):
@@ -102,52 +111,22 @@ class QwenMTPDrafter(BaseDrafter):
     name = NAME
     needs = frozenset({"hidden"})
 
-    def __init__(
-        self,
-        *,
-        mtp_path: str | os.PathLike | None = DEFAULTS["mtp_path"],
-        depth: int = DEFAULTS["depth"],
-        max_depth: int = DEFAULTS["max_depth"],
-        adaptive: bool = DEFAULTS["adaptive"],
-        grow_at: float = DEFAULTS["grow_at"],
-        shrink_below: float = DEFAULTS["shrink_below"],
-        window: int = DEFAULTS["window"],
-        head: str = DEFAULTS["head"],
-        norm_shift: str | bool = DEFAULTS["norm_shift"],
-        sampled_drafts: str = DEFAULTS["sampled_drafts"],
-    ) -> None:
-        if mtp_path is not None and not isinstance(mtp_path, (str, os.PathLike)):
+    def __init__(self, **options: Any) -> None:
+        o = OPTIONS.parse(options)
+        if o.max_depth < o.depth:
             raise specdec.PolicyError(
-                f"{NAME}: option mtp_path must be a folder or file path, got {mtp_path!r}"
+                f"{NAME}: max_depth ({o.max_depth}) must be >= depth ({o.depth})"
             )
-        self.mtp_path = None if mtp_path is None else Path(os.fspath(mtp_path)).expanduser()
-        self.depth = _int("depth", depth, 1)
-        self.max_depth = _int("max_depth", max_depth, 1)
-        if self.max_depth < self.depth:
-            raise specdec.PolicyError(f"{NAME}: max_depth ({max_depth}) must be >= depth ({depth})")
-        if not isinstance(adaptive, bool):
-            raise specdec.PolicyError(
-                f"{NAME}: option adaptive must be true or false, got {adaptive!r}"
-            )
-        self.adaptive = adaptive
-        self.grow_at = _frac("grow_at", grow_at)
-        self.shrink_below = _frac("shrink_below", shrink_below)
-        self.window = _int("window", window, 2)
-        if not isinstance(head, str) or not head:
-            raise specdec.PolicyError(
-                f"{NAME}: option head must be a draft head name, got {head!r}"
-            )
-        self.head = head
-        if norm_shift not in ("auto", True, False):
-            raise specdec.PolicyError(
-                f"{NAME}: option norm_shift must be 'auto', true or false, got {norm_shift!r}"
-            )
-        self.norm_shift = norm_shift
-        if sampled_drafts not in ("sample", "greedy"):
-            raise specdec.PolicyError(
-                f"{NAME}: option sampled_drafts must be 'sample' or 'greedy', got {sampled_drafts!r}"
-            )
-        self.sampled_drafts = sampled_drafts
+        self.mtp_path = None if o.mtp_path is None else Path(os.fspath(o.mtp_path)).expanduser()
+        self.depth = o.depth
+        self.max_depth = o.max_depth
+        self.adaptive = o.adaptive
+        self.grow_at = o.grow_at
+        self.shrink_below = o.shrink_below
+        self.window = o.window
+        self.head = o.head
+        self.norm_shift = o.norm_shift
+        self.sampled_drafts = o.sampled_drafts
         self.module = None
         self.info: dict = {}
         self._target = None
@@ -328,5 +307,4 @@ def create_qwen_mtp(**options: Any) -> QwenMTPDrafter:
     Raises:
         specdec.PolicyError: an unknown option (naming the accepted ones) or a bad value.
     """
-    specdec.options.reject_unknown(NAME, options, DEFAULTS)
     return QwenMTPDrafter(**options)
