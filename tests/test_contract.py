@@ -526,7 +526,7 @@ def test_draft_model_loads_are_tied_to_the_pipeline():
 
 # -- public API only ---------------------------------------------------------------
 
-PUBLIC = {"specdec", "specdec.hookspecs", "specdec.testing", "specdec.training"}
+PUBLIC = {"specdec", "specdec.checkpoints", "specdec.hookspecs", "specdec.testing"}
 
 
 def _plugin_sources():

@@ -29,7 +29,6 @@ The losses:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import time
@@ -42,19 +41,16 @@ import mlx.nn as nn
 import numpy as np
 
 from .capture import model_taps
+from .checkpoints import (  # noqa: F401 - TARGET_FIELD, identity_mismatch: re-exported
+    TARGET_FIELD,
+    identity_mismatch,
+    target_identity,
+    text_model,
+)
 from .errors import ModelLoadError, SpecdecError
 from .heads import model_vocab_size, output_layer
 
 LOSSES = ("auto", "sampled", "full")
-
-#: The config key under which a trained head records the target it was trained for.
-TARGET_FIELD = "specdec_target"
-
-
-def text_model(model: Any) -> Any:
-    """The language model of ``model`` (its ``language_model`` for a wrapper, else itself)."""
-    inner = getattr(model, "language_model", None)
-    return inner if inner is not None and hasattr(inner, "model") else model
 
 
 class Recorded:
@@ -634,49 +630,6 @@ def batch_answers(
         if on_batch is not None:
             on_batch(len(group))
     return answers, (states if taps is not None else None)
-
-
-def target_identity(model: Any) -> dict:
-    """What identifies a target for a trained head: architecture, sizes, and a hash of
-    its embedding table (a head reads those embeddings and the target's hidden states).
-
-    The hash covers up to ~4k strided rows (the scales of a quantized table), also
-    rounded to bfloat16 and float16 (``embed_sha256_bf16`` / ``embed_sha256_f16``), so
-    the same model cast to another precision is still recognised.
-    """
-    lm = text_model(model)
-    emb = lm.model.embed_tokens
-    w = emb.weight if not hasattr(emb, "scales") else emb.scales
-    rows = w[:: max(1, w.shape[0] // 4096)]  # up to ~4k rows: cheap for any vocabulary
-    h = hashlib.sha256(np.asarray(rows.astype(mx.float32)).tobytes()).hexdigest()[:24]
-    rounded = {
-        name: hashlib.sha256(np.asarray(rows.astype(dt).astype(mx.float32)).tobytes()).hexdigest()[
-            :24
-        ]
-        for name, dt in (("embed_sha256_bf16", mx.bfloat16), ("embed_sha256_f16", mx.float16))
-    }
-    args = lm.args
-    return {
-        "model_type": getattr(model, "model_type", None),
-        "hidden_size": int(args.hidden_size),
-        "vocab_size": int(args.vocab_size),
-        "num_hidden_layers": int(args.num_hidden_layers),
-        "embed_sha256": h,
-        **rounded,
-    }
-
-
-def identity_mismatch(trained_for: Mapping, model: Any) -> dict:
-    """``{field: (trained for, this model)}`` for each field of ``trained_for`` (a
-    :func:`target_identity`) that ``model`` does not match; empty for the same model.
-    The embedding hashes count as one: any of them matching (the same table in another
-    precision) is a match."""
-    mine = target_identity(model)
-    diff = sorted(k for k, v in trained_for.items() if mine.get(k) != v)
-    hashes = [k for k in trained_for if k.startswith("embed_sha256")]
-    if any(mine.get(k) == trained_for[k] for k in hashes):
-        diff = [k for k in diff if not k.startswith("embed_sha256")]
-    return {k: (trained_for[k], mine.get(k)) for k in diff}
 
 
 # -- the command line shared by the training commands (train-head, train-assistant) -------
