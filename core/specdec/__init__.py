@@ -28,7 +28,7 @@ if _blas_status.action == "too_late":
         stacklevel=2,
     )
 
-from . import distributed, options, training
+from . import distributed, options
 from .batch import Batch, BatchEvent, BatchKVRollback
 from .capture import ModelTaps, TapError, model_taps
 from .costs import (
@@ -170,7 +170,6 @@ __all__ = [
     "model_vocab_size",
     "distributed",
     "options",
-    "training",
     "output_layer",
     "profile_verify_cost",
     "reset_plugin_host",

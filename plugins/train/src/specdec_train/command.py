@@ -39,16 +39,16 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-
-from .capture import model_taps
-from .checkpoints import (  # noqa: F401 - TARGET_FIELD, identity_mismatch: re-exported
-    TARGET_FIELD,
-    identity_mismatch,
-    target_identity,
-    text_model,
+from specdec import (
+    ModelLoadError,
+    Progress,
+    SpecdecError,
+    assemble,
+    model_taps,
+    model_vocab_size,
+    output_layer,
 )
-from .errors import ModelLoadError, SpecdecError
-from .heads import model_vocab_size, output_layer
+from specdec.checkpoints import target_identity, text_model
 
 LOSSES = ("auto", "sampled", "full")
 
@@ -645,11 +645,11 @@ class TrainError(SpecdecError, ValueError):
 
 
 def shipped_prompts() -> list[str]:
-    """The prompts shipped for self-distillation (``specdec/data/train_prompts.txt``; none
+    """The prompts shipped for self-distillation (``specdec_train/data/train_prompts.txt``; none
     is a bench workload)."""
     from importlib import resources
 
-    text = resources.files("specdec").joinpath("data/train_prompts.txt").read_text("utf-8")
+    text = resources.files("specdec_train").joinpath("data/train_prompts.txt").read_text("utf-8")
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
 
 
@@ -663,7 +663,7 @@ class TrainCommand:
             ``resume`` is the output folder to load the head from (float32), or ``None``
             for a new head.
         save: ``save(out, model, module, identity)``: write the head to ``out`` with the
-            target's identity (:data:`TARGET_FIELD`) in its config.
+            target's identity (:data:`specdec.checkpoints.TARGET_FIELD`) in its config.
         usage: ``usage(out)``: what to print on stdout at the end (how to use the head).
     """
 
@@ -926,8 +926,6 @@ def _make_data(
 ) -> tuple[dict, tuple[list, list]]:
     """The model's answers: ``--answers`` per prompt (the first greedy), whole prompts held
     out (their answers are alike, so a held-out answer of a trained prompt would flatter)."""
-    from .progress import Progress
-
     prompts = _prompt_ids(args, pipe)
     n_held = max(1, round(len(prompts) * args.held_out))
     if n_held >= len(prompts):
@@ -996,9 +994,6 @@ def run_training(args: Any, command: TrainCommand) -> int:
     """
     import json
     import sys
-
-    from .pipeline import assemble
-    from .progress import Progress
 
     out = _check_args(args)
     t0 = time.perf_counter()
@@ -1170,8 +1165,6 @@ def held_out_acceptance(
     """
     import json
     from pathlib import Path
-
-    from .pipeline import assemble
 
     path = Path(folder) / DATA_FILE
     try:
