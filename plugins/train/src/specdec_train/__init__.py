@@ -26,25 +26,18 @@ import specdec  # noqa: F401  (first: it binds the fast BLAS before mlx is loade
 
 from .command import (
     DATA_FILE,
-    LOSSES,
     STATE_FILE,
     SUMMARY_FILE,
-    HeadTrainer,
-    Recorded,
-    TargetOutput,
     TrainCommand,
     TrainError,
     add_training_arguments,
-    agreement,
-    batch_answers,
     held_out_acceptance,
     prompt_ids,
-    record,
     run_training,
     shipped_prompts,
-    target_hidden,
-    train_head,
 )
+from .loop import LOSSES, HeadTrainer, agreement, train_head
+from .recording import Recorded, TargetOutput, batch_answers, record, target_hidden
 
 __version__ = "0.1.0"
 
