@@ -534,7 +534,17 @@ def test_draft_model_loads_are_tied_to_the_pipeline():
 
 # -- public API only ---------------------------------------------------------------
 
-PUBLIC = {"specdec", "specdec.hookspecs", "specdec.options", "specdec.testing", "specdec.training"}
+#: What a plugin may import from the core: the top level, the documented submodules
+#: (the ones the 0.2 top-level names moved to, and the helpers plugins share), the kit.
+PUBLIC = {
+    "specdec",
+    "specdec.checkpoints",
+    "specdec.drafting",
+    "specdec.hookspecs",
+    "specdec.options",
+    "specdec.testing",
+    *(f"specdec.{m}" for m in set(specdec.MOVED.values())),
+}
 
 
 def _plugin_sources():

@@ -179,7 +179,7 @@ MOVED = {
 }
 
 #: Submodules that ``import specdec`` does not load, loaded on first attribute access.
-_LAZY = ("distributed", "training")
+_LAZY = ("distributed",)
 
 
 def __getattr__(name: str):
@@ -198,4 +198,9 @@ def __getattr__(name: str):
             stacklevel=2,
         )
         return getattr(importlib.import_module(where), name)
+    if name == "training":
+        raise AttributeError(
+            "specdec.training left specdec-core in 0.3: self-distillation is the "
+            "specdec-train distribution (pip install specdec-train; import specdec_train)"
+        )
     raise AttributeError(f"module 'specdec' has no attribute {name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import specdec
+import specdec.checkpoints
 from gemma4_support import ASSISTANTS, TARGETS, sequences, target
 from specdec_gemma4_mtp import new_assistant, save_assistant, train_assistant
 
@@ -32,7 +33,7 @@ def trained(tmp_path_factory):
                 module,
                 shards=2 if kind == "centroids" else 1,
                 extra_config={
-                    specdec.training.TARGET_FIELD: specdec.training.target_identity(model)
+                    specdec.checkpoints.TARGET_FIELD: specdec.checkpoints.target_identity(model)
                 },
             )
             cache[key] = (model, folder, seqs, st)

@@ -10,6 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import specdec
+import specdec.checkpoints
+import specdec_train
 from gemma4_support import policy, target
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
@@ -168,7 +170,7 @@ def test_the_training_forward_is_the_drafting_step_position_by_position():
     model = target("gemma4")
     module, binding = new_assistant(model, layers=["sliding_attention", "full_attention"], seed=2)
     seq = [int(t) for t in np.random.default_rng(0).integers(0, 64, 22)]
-    rec = specdec.training.record(model, seq, kv_layers=(0, 1))
+    rec = specdec_train.record(model, seq, kv_layers=(0, 1))
     for position in ("bonus", "last"):
         trainer = AssistantTrainer(module, binding, position=position)
         ex = trainer.example(model, seq, rec)
@@ -317,7 +319,7 @@ def test_an_assistant_trained_for_another_model_is_refused(tmp_path):
     folder = save_assistant(
         tmp_path / "a",
         module,
-        extra_config={specdec.training.TARGET_FIELD: specdec.training.target_identity(other)},
+        extra_config={specdec.checkpoints.TARGET_FIELD: specdec.checkpoints.target_identity(other)},
     )
     with pytest.raises(AssistantLoadError, match="trained for another model"):
         specdec.assemble(model, policy=policy(folder))

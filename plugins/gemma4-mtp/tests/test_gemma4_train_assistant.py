@@ -9,8 +9,8 @@ import pytest
 import specdec
 from specdec.cli import main
 from specdec.testing import make_tiny_model
-from specdec.training import STATE_FILE, SUMMARY_FILE
 from specdec_gemma4_mtp import AssistantLoadError
+from specdec_train import STATE_FILE, SUMMARY_FILE
 
 
 def run(capsys, *argv):

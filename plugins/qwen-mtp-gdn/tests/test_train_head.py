@@ -9,6 +9,7 @@ import random
 import mlx.core as mx
 import pytest
 import specdec
+import specdec_train
 from specdec.cli import main
 from specdec.testing import check_greedy_identity, make_tiny_model, plain_greedy
 from specdec_qwen_mtp_gdn.__main__ import held_out as held_out_main
@@ -101,7 +102,7 @@ def test_train_head_on_the_default_model_resume_and_draft_with_it(capsys, tmp_pa
     assert st["mtp"]["trained_by_specdec"]
     # Per-position acceptance on the held-out prompt, at a fixed depth of 2.
     fixed = pol.with_options("qwen_mtp", depth=2, max_depth=2, adaptive=False)
-    held = specdec.training.held_out_acceptance(out, fixed, "qwen_mtp", max_tokens=8)
+    held = specdec_train.held_out_acceptance(out, fixed, "qwen_mtp", max_tokens=8)
     assert held["prompts"] == 1 and held["identical"]
     assert len(held["position_reached"]) == 2 and held["position_reached"][0] > 0
     assert held["position_accepted"][0] == round(
@@ -115,11 +116,11 @@ def test_train_head_on_the_default_model_resume_and_draft_with_it(capsys, tmp_pa
     with pytest.raises(SystemExit) as exc:
         held_out_main([str(tmp_path / "nowhere")])
     assert exc.value.code == 2 and "cannot read" in capsys.readouterr().err
-    with pytest.raises(specdec.training.TrainError, match="held-out prompts"):
-        (out / specdec.training.DATA_FILE).write_text(json.dumps({"train": [[1, 2]]}))
-        specdec.training.held_out_acceptance(out, fixed, "qwen_mtp")
-    with pytest.raises(specdec.training.TrainError, match="cannot read"):
-        specdec.training.held_out_acceptance(tmp_path / "nowhere", fixed, "qwen_mtp")
+    with pytest.raises(specdec_train.TrainError, match="held-out prompts"):
+        (out / specdec_train.DATA_FILE).write_text(json.dumps({"train": [[1, 2]]}))
+        specdec_train.held_out_acceptance(out, fixed, "qwen_mtp")
+    with pytest.raises(specdec_train.TrainError, match="cannot read"):
+        specdec_train.held_out_acceptance(tmp_path / "nowhere", fixed, "qwen_mtp")
     # The head knows whose it is.
     with pytest.raises(MTPLoadError, match="trained for another model"):
         load_mtp(make_tiny_model("llama"), out)
@@ -143,7 +144,7 @@ def test_a_trained_head_drafts_for_a_llama_model(tmp_path):
 
 
 def test_batched_answers_are_plain_greedy_and_record_the_targets_states():
-    from specdec.training import batch_answers, record
+    from specdec_train import batch_answers, record
 
     model = make_tiny_model("llama", vocab_size=64)
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2], [9]]
@@ -162,8 +163,8 @@ def test_batched_answers_are_plain_greedy_and_record_the_targets_states():
 
 
 def test_the_sampled_loss_is_the_full_one_where_the_candidates_cover_the_vocabulary():
-    from specdec.training import TargetOutput
     from specdec_qwen_mtp_gdn.mtp import QwenMTP
+    from specdec_train import TargetOutput
 
     model = make_tiny_model("llama", vocab_size=64)
     assert TargetOutput(model).affine

@@ -9,7 +9,7 @@ keeping a cache of its own::
         "gemma4").with_options("gemma4_mtp", assistant="path/to/gemma-4-E2B-it-assistant"))
 
 :func:`train_assistant` trains a Gemma-4-style assistant for any mlx-lm model (through
-the core's :mod:`specdec.training`).
+specdec-train's :mod:`specdec_train`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (added to the ``specdec`` command through the ``specdec_register_commands`` hook).
 
 The data (the model's own answers), the training loop, checkpoints and resuming are the
-core's :func:`specdec.training.run_training`, shared with ``specdec train-head``; this
+specdec-train's :func:`specdec_train.run_training`, shared with ``specdec train-head``; this
 is what is particular to the assistant: its shape and its checkpoint."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import argparse
 import json
 from typing import Any
 
-import specdec
+import specdec.checkpoints
+import specdec_train
 
 from .assistant import LAYER_TYPES
 
@@ -38,7 +39,7 @@ def add_train_assistant_parser(sub: Any) -> None:
             "--resume continues from there."
         ),
     )
-    specdec.training.add_training_arguments(p, lr=1e-3)
+    specdec_train.add_training_arguments(p, lr=1e-3)
     p.add_argument(
         "--layers",
         default=None,
@@ -93,13 +94,13 @@ def _layers(spec: str) -> int | list[str]:
     if s.isdigit():
         n = int(s)
         if n < 1:
-            raise specdec.training.TrainError(f"--layers must be >= 1, got {n}")
+            raise specdec_train.TrainError(f"--layers must be >= 1, got {n}")
         return n
     out = []
     for part in s.split(","):
         t = _SHORT.get(part.strip(), part.strip())
         if t not in LAYER_TYPES:
-            raise specdec.training.TrainError(
+            raise specdec_train.TrainError(
                 f"--layers: {part.strip()!r} is no layer type; give a count or a "
                 "comma-separated list of sliding, full"
             )
@@ -119,9 +120,9 @@ def _check(args: argparse.Namespace) -> None:
         ("--block-size", args.block_size, 2),
     ):
         if v is not None and v < lo:
-            raise specdec.training.TrainError(f"{flag} must be >= {lo}, got {v}")
+            raise specdec_train.TrainError(f"{flag} must be >= {lo}, got {v}")
     if args.centroids and (args.top_k_centroids or 32) > args.centroids:
-        raise specdec.training.TrainError(
+        raise specdec_train.TrainError(
             f"--top-k-centroids ({args.top_k_centroids or 32}) must be at most --centroids "
             f"({args.centroids})"
         )
@@ -138,7 +139,7 @@ def _make_trainer(model: Any, args: argparse.Namespace, resume: Any) -> Any:
         module, cfg = load_assistant(resume, dtype=mx.float32)  # trained on in float32
         position = cfg.raw.get(POSITION_FIELD, args.position)
         if position != args.position:
-            raise specdec.training.TrainError(
+            raise specdec_train.TrainError(
                 f"--resume: the assistant in {str(resume)!r} was trained with --position "
                 f"{position}; give the same --position"
             )
@@ -158,7 +159,7 @@ def _make_trainer(model: Any, args: argparse.Namespace, resume: Any) -> Any:
             given["--top-k-centroids"] = (cfg.centroid_intermediate_top_k, args.top_k_centroids)
         for flag, (have, want) in given.items():
             if want is not None and want != have:
-                raise specdec.training.TrainError(
+                raise specdec_train.TrainError(
                     f"--resume: the assistant in {str(resume)!r} has {flag} {have}; its shape "
                     f"comes from the checkpoint (give {flag} {have} or leave it out)"
                 )
@@ -189,7 +190,10 @@ def cmd_train_assistant(args: argparse.Namespace) -> int:
         save_assistant(
             out,
             module,
-            extra_config={specdec.training.TARGET_FIELD: identity, POSITION_FIELD: args.position},
+            extra_config={
+                specdec.checkpoints.TARGET_FIELD: identity,
+                POSITION_FIELD: args.position,
+            },
         )
 
     def usage(out: Any) -> str:
@@ -199,7 +203,7 @@ def cmd_train_assistant(args: argparse.Namespace) -> int:
             f"  [options.gemma4_mtp]\n  assistant = {json.dumps(str(out))}"
         )
 
-    command = specdec.training.TrainCommand(
+    command = specdec_train.TrainCommand(
         name="train-assistant", make_trainer=_make_trainer, save=save, usage=usage
     )
-    return specdec.training.run_training(args, command)
+    return specdec_train.run_training(args, command)

@@ -245,16 +245,18 @@ def measure_held_out(
 ) -> dict:
     """Per-position acceptance of an assistant ``specdec train-assistant`` wrote, drafting
     greedily on the prompts its training held out (``train_data.json``), at a fixed depth
-    (``options``: further ``gemma4_mtp`` options, e.g. ``centroids="off"``): the core's
-    :func:`specdec.training.held_out_acceptance` with the ``gemma4`` preset.
+    (``options``: further ``gemma4_mtp`` options, e.g. ``centroids="off"``): specdec-train's
+    :func:`specdec_train.held_out_acceptance` with the ``gemma4`` preset.
 
     Raises:
-        specdec.training.TrainError: ``train_data.json`` does not say which prompts
+        specdec_train.TrainError: ``train_data.json`` does not say which prompts
             were held out (written before core 0.2.7).
     """
     pol = specdec.load_policy("gemma4").with_options(
         "gemma4_mtp", assistant=str(assistant), depth=depth, adaptive=False, **options
     )
-    return specdec.training.held_out_acceptance(
+    import specdec_train
+
+    return specdec_train.held_out_acceptance(
         assistant, pol, "gemma4_mtp", model=model, max_tokens=max_tokens
     )

@@ -27,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import specdec
+import specdec.checkpoints
 from specdec import (
     AdaptiveDepth,
     BaseDrafter,
@@ -148,9 +149,9 @@ class Gemma4MTPDrafter(BaseDrafter):
             self.module, self.config = load_assistant(self.assistant_path)
         else:
             binding = bind_target(model, self.config)
-        trained_for = self.config.raw.get(specdec.training.TARGET_FIELD)
+        trained_for = self.config.raw.get(specdec.checkpoints.TARGET_FIELD)
         if isinstance(trained_for, dict):
-            diff = specdec.training.identity_mismatch(trained_for, model)
+            diff = specdec.checkpoints.identity_mismatch(trained_for, model)
             if diff:
                 said = ", ".join(f"{k} {a!r}, this one {b!r}" for k, (a, b) in diff.items())
                 raise AssistantLoadError(

@@ -1,7 +1,7 @@
-"""Train a Gemma-4-style assistant for any mlx-lm model, through the core's training loop.
+"""Train a Gemma-4-style assistant for any mlx-lm model, with specdec-train's loop.
 
 The loop, the losses, the recording of the target's states (and of the K/V the
-assistant reads) are :mod:`specdec.training`'s, shared with ``specdec train-head``;
+assistant reads) are :mod:`specdec_train`'s, shared with ``specdec train-head``;
 this module is what is particular to the assistant: :class:`AssistantTrainer` (its
 inputs, its forward over whole sequences at once, its own output layer and its extra
 losses), :func:`new_assistant` (an assistant shaped for a target) and
@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import specdec
+import specdec_train
 
 from .assistant import AssistantConfig, Gemma4Assistant
 from .target import TargetBinding, bind_target, text_model
@@ -190,7 +191,7 @@ def _causal_masks(L: int, window: int | None) -> mx.array:
 
 
 class AssistantTrainer:
-    """The Gemma 4 assistant for :func:`specdec.training.train_head`.
+    """The Gemma 4 assistant for :func:`specdec_train.train_head`.
 
     Args:
         module: the assistant (trained in place).
@@ -231,7 +232,7 @@ class AssistantTrainer:
             c[order] = np.arange(cfg.vocab_size) // per
             self.cluster_of = mx.array(c)
 
-    def example(self, model: Any, seq: Sequence[int], rec: specdec.training.Recorded) -> dict:
+    def example(self, model: Any, seq: Sequence[int], rec: specdec_train.Recorded) -> dict:
         n = len(seq) - 2
         toks = mx.array(list(seq[1:-1]))
         out = {
@@ -307,7 +308,7 @@ def train_assistant(
         init: an assistant to train in place (``None``: :func:`new_assistant` with its
             defaults).
         position: the queries' RoPE position convention it is trained for.
-        steps, lr, seed, kwargs: :func:`specdec.training.train_head`'s (``batch_size``,
+        steps, lr, seed, kwargs: :func:`specdec_train.train_head`'s (``batch_size``,
             ``loss``, ``held_out``, ``time_limit``, ``progress``, ...).
 
     Returns:
@@ -319,7 +320,7 @@ def train_assistant(
     else:
         binding = bind_target(model, init.config)
     trainer = AssistantTrainer(init, binding, position=position)
-    st = specdec.training.train_head(
+    st = specdec_train.train_head(
         model, trainer, sequences, steps=steps, lr=lr, seed=seed, name="train_assistant", **kwargs
     )
     st["params"] = init.n_params()

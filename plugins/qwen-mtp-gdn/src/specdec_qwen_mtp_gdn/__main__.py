@@ -1,7 +1,7 @@
 """``python -m specdec_qwen_mtp_gdn [--arch ...]``: commit cost per strategy on a tiny hybrid
 model (JSON lines); ``python -m specdec_qwen_mtp_gdn held-out FOLDER [--model M] [--depth K]
 [--head H] [--max-tokens N]``: a head ``specdec train-head`` wrote, its per-position
-acceptance on the prompts its training held out (:func:`specdec.training.held_out_acceptance`,
+acceptance on the prompts its training held out (:func:`specdec_train.held_out_acceptance`,
 at a fixed depth)."""
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ def held_out(argv: list[str]) -> int:
     pol = specdec.load_policy("mtp").with_options(
         "qwen_mtp", mtp_path=a.folder, depth=a.depth, max_depth=a.depth, adaptive=False, head=a.head
     )
+    import specdec_train
+
     try:
-        res = specdec.training.held_out_acceptance(
+        res = specdec_train.held_out_acceptance(
             a.folder, pol, "qwen_mtp", model=a.model, max_tokens=a.max_tokens
         )
     except specdec.SpecdecError as exc:

@@ -1,6 +1,6 @@
 """``specdec train-head``: give a model an MTP head (added to the ``specdec`` command
 through the ``specdec_register_commands`` hook). The data, the training loop, the
-checkpoints and resuming are the core's (:func:`specdec.training.run_training`, shared
+checkpoints and resuming are specdec-train's (:func:`specdec_train.run_training`, shared
 with ``specdec train-assistant``); this is what is particular to the MTP head."""
 
 from __future__ import annotations
@@ -9,16 +9,17 @@ import argparse
 import json
 from typing import Any
 
-import specdec
+import specdec.checkpoints
+import specdec_train
 
 #: Bad ``train-head`` input (the message names it and what would be accepted).
-TrainHeadError = specdec.training.TrainError
+TrainHeadError = specdec_train.TrainError
 
 # The names train-head had before its command line moved to the core (0.3.3): kept.
-DATA_FILE = specdec.training.DATA_FILE
-STATE_FILE = specdec.training.STATE_FILE
-SUMMARY_FILE = specdec.training.SUMMARY_FILE
-shipped_prompts = specdec.training.shipped_prompts
+DATA_FILE = specdec_train.DATA_FILE
+STATE_FILE = specdec_train.STATE_FILE
+SUMMARY_FILE = specdec_train.SUMMARY_FILE
+shipped_prompts = specdec_train.shipped_prompts
 
 
 def add_train_head_parser(sub: Any) -> None:
@@ -37,7 +38,7 @@ def add_train_head_parser(sub: Any) -> None:
             "identity), saved every --save-every steps; --resume continues from there."
         ),
     )
-    specdec.training.add_training_arguments(p, lr=1e-3)
+    specdec_train.add_training_arguments(p, lr=1e-3)
     p.add_argument("--layers", type=int, default=1, help="MTP decoder layers (default: 1)")
     p.set_defaults(func=cmd_train_head)
 
@@ -58,7 +59,7 @@ def _save(out: Any, model: Any, module: Any, identity: dict) -> None:
     from .checkpoint import save_hf_checkpoint
 
     save_hf_checkpoint(
-        out, model, module, trunk=False, extra_config={specdec.training.TARGET_FIELD: identity}
+        out, model, module, trunk=False, extra_config={specdec.checkpoints.TARGET_FIELD: identity}
     )
 
 
@@ -70,7 +71,7 @@ def _usage(out: Any) -> str:
     )
 
 
-COMMAND = specdec.training.TrainCommand(
+COMMAND = specdec_train.TrainCommand(
     name="train-head", make_trainer=_make_trainer, save=_save, usage=_usage
 )
 
@@ -79,4 +80,4 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     """Run ``specdec train-head``."""
     if args.layers < 1:  # before the model is loaded
         raise TrainHeadError(f"--layers must be >= 1, got {args.layers}")
-    return specdec.training.run_training(args, COMMAND)
+    return specdec_train.run_training(args, COMMAND)

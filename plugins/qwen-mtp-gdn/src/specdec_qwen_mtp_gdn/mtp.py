@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import specdec
+import specdec.checkpoints
 
 #: Key prefixes under which checkpoints store the MTP head (Qwen3-Next and Qwen3.5 use
 #: the top-level ``mtp.``; the others are what re-exports have been seen to write).
@@ -284,10 +285,10 @@ class QwenMTP(nn.Module):
 
 
 #: The ``config.json`` field where ``specdec train-head`` records whose head it is.
-TARGET_FIELD = specdec.training.TARGET_FIELD
+TARGET_FIELD = specdec.checkpoints.TARGET_FIELD
 
 #: What identifies a target for a trained head (the core's, shared by the head plugins).
-target_identity = specdec.training.target_identity
+target_identity = specdec.checkpoints.target_identity
 
 
 def load_mtp(
@@ -311,7 +312,7 @@ def load_mtp(
     trained_for = config.get(TARGET_FIELD)
     if isinstance(trained_for, dict):
         # the same embeddings in another precision match (one of the hashes does)
-        diff = specdec.training.identity_mismatch(trained_for, target)
+        diff = specdec.checkpoints.identity_mismatch(trained_for, target)
         if diff:
             said = ", ".join(f"{k} {a!r}, this one {b!r}" for k, (a, b) in diff.items())
             raise MTPLoadError(

@@ -3,7 +3,7 @@
 The head learns ``x[t+2]`` from ``(h_t, x[t+1])`` exactly as ``qwen_mtp`` drafts with
 it: ``h_t`` is the target's hidden state after its final norm and the logits come from
 the target's own output path. The loop, the losses, the recording of the target's
-states and the batched answers are the core's :mod:`specdec.training` (shared with the
+states and the batched answers are specdec-train's :mod:`specdec_train` (shared with the
 other head plugins); this module is what is particular to the MTP head:
 :class:`MTPTrainer` (its inputs and forward) and :func:`train_mtp_head`.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
-import specdec
+import specdec_train
 
 from .mtp import QwenMTP, text_model
 
@@ -30,22 +30,22 @@ __all__ = [
 ]
 
 #: The names this module had before the loop moved to the core (0.3.3): kept.
-LOSSES = specdec.training.LOSSES
-Recorded = specdec.training.Recorded
-batch_answers = specdec.training.batch_answers
-target_hidden = specdec.training.target_hidden
+LOSSES = specdec_train.LOSSES
+Recorded = specdec_train.Recorded
+batch_answers = specdec_train.batch_answers
+target_hidden = specdec_train.target_hidden
 States = Recorded
-OutputLayer = specdec.training.TargetOutput
+OutputLayer = specdec_train.TargetOutput
 
 
 def agreement(model: Any, head: QwenMTP, sequences: Sequence[Sequence[int]]) -> float:
     """The fraction of positions of ``sequences`` where ``head``'s argmax is the target's
     (the acceptance of a first greedy draft there)."""
-    return specdec.training.agreement(model, MTPTrainer(head, model), sequences)
+    return specdec_train.agreement(model, MTPTrainer(head, model), sequences)
 
 
 class MTPTrainer:
-    """The MTP head for :func:`specdec.training.train_head`: its inputs are the target's
+    """The MTP head for :func:`specdec_train.train_head`: its inputs are the target's
     embeddings of ``x[t+1]`` and ``h_t``; its output is a state in the target's hidden
     space, scored through the target's own output path."""
 
@@ -58,7 +58,7 @@ class MTPTrainer:
     @property
     def module(self) -> QwenMTP:
         """The head (a new one, seeded, when no ``init`` was given: built on first use,
-        after :func:`specdec.training.train_head` has checked its arguments)."""
+        after :func:`specdec_train.train_head` has checked its arguments)."""
         if self._module is None:
             model, layers, seed = self._make
             mx.random.seed(seed)
@@ -122,7 +122,7 @@ def train_mtp_head(
         mse_weight: the weight of the whole-vocabulary logit error (``sampled``).
         time_limit: stop after this many seconds of training (checked after each step);
             the learning rate then decays over whichever ends first, steps or time.
-        states: the target's :class:`specdec.training.Recorded` over each sequence (as
+        states: the target's :class:`specdec_train.Recorded` over each sequence (as
             :func:`batch_answers` records them while the model writes its answers), so
             no teacher-forced forward is needed; ``None`` (or a ``None`` entry):
             computed here.
@@ -142,7 +142,7 @@ def train_mtp_head(
             ``loss``, ``batch_size``, ``candidates`` or ``negatives``.
     """
     trainer = MTPTrainer(init if init is not None else None, model, layers, seed)
-    st = specdec.training.train_head(
+    st = specdec_train.train_head(
         model,
         trainer,
         sequences,

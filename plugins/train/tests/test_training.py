@@ -1,5 +1,6 @@
-"""specdec.training: what the head plugins' training commands share (recording the
-target, its K/V, batched answers, identities, the shipped prompts)."""
+"""specdec_train: what the head plugins' training commands share (recording the
+target, its K/V, batched answers, the shipped prompts). The target identity a trained
+head records is the core's (tests/test_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,7 @@ import pytest
 import specdec
 from mlx_lm.models.cache import make_prompt_cache
 from specdec.testing import make_tiny_model, plain_greedy
-from specdec.training import (
-    batch_answers,
-    identity_mismatch,
-    record,
-    shipped_prompts,
-    target_identity,
-)
+from specdec_train import batch_answers, record, shipped_prompts
 
 
 def test_the_shipped_prompts_are_no_bench_workload():
@@ -63,22 +58,3 @@ def test_batched_answers_record_each_rows_own_kv():
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want[:n]), atol=1e-4)
     # a model with sliding-window caches cannot be batched this way: None (one by one)
     assert batch_answers(make_tiny_model("gemma4"), prompts, max_tokens=2) is None
-
-
-def test_a_target_identity_survives_a_cast_but_not_another_model():
-    model = make_tiny_model("llama")
-    me = target_identity(model)
-    assert identity_mismatch(me, model) == {}
-    other = make_tiny_model("llama", seed=5)
-    assert set(identity_mismatch(me, other)) == {
-        "embed_sha256",
-        "embed_sha256_bf16",
-        "embed_sha256_f16",
-    }
-    cast = make_tiny_model("llama")
-    w = cast.model.embed_tokens.weight
-    try:
-        cast.model.embed_tokens.weight = w.astype(mx.bfloat16)
-        assert identity_mismatch(me, cast) == {}
-    finally:
-        cast.model.embed_tokens.weight = w
