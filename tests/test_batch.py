@@ -52,7 +52,7 @@ def test_rows_keep_different_amounts_and_stay_aligned(keeps):
     cache = _batch_cache(rows)
     fed = 4
     new = [[rng.standard_normal(3).astype(np.float32) for _ in range(fed)] for _ in rows]
-    txn = specdec.BatchKVRollback().begin(cache)
+    txn = specdec.rollback.BatchKVRollback().begin(cache)
     k = mx.array(np.stack([np.stack(n) for n in new])[:, None])  # [3, 1, fed, 3]
     cache.update_and_fetch(k, k + 100)
     txn.commit(fed, keeps)
@@ -69,7 +69,7 @@ def test_rows_keep_different_amounts_and_stay_aligned(keeps):
 def test_abort_restores_every_row():
     cache = _batch_cache([[np.ones(3, np.float32)] * 3, [np.zeros(3, np.float32)]])
     before = (cache._idx, cache.offset.tolist(), cache.left_padding.tolist())
-    txn = specdec.BatchKVRollback().begin(cache)
+    txn = specdec.rollback.BatchKVRollback().begin(cache)
     k = mx.ones((2, 1, 5, 3))
     cache.update_and_fetch(k, k)
     txn.abort()
@@ -78,7 +78,7 @@ def test_abort_restores_every_row():
 
 def test_commit_refuses_a_wrong_number_of_rows():
     cache = _batch_cache([[np.ones(3, np.float32)], [np.ones(3, np.float32)]])
-    txn = specdec.BatchKVRollback().begin(cache)
+    txn = specdec.rollback.BatchKVRollback().begin(cache)
     cache.update_and_fetch(mx.ones((2, 1, 2, 3)), mx.ones((2, 1, 2, 3)))
     with pytest.raises(ValueError, match="2 rows"):
         txn.commit(2, [1, 1, 1])

@@ -209,14 +209,14 @@ def test_plugins_text(capsys):
 
 def test_plugins_allow_list_empty(capsys, monkeypatch):
     monkeypatch.setenv("SPECDEC_PLUGINS", "")
-    specdec.reset_plugin_host()
+    specdec.plugins.reset_plugin_host()
     try:
         rc, out, _ = run_cli(capsys, "plugins")
         assert rc == 0
         assert "no third-party plugins" in out
     finally:
         monkeypatch.delenv("SPECDEC_PLUGINS")
-        specdec.reset_plugin_host()
+        specdec.plugins.reset_plugin_host()
 
 
 def test_plugins_failures_are_shown(capsys, monkeypatch):

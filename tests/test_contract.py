@@ -193,7 +193,7 @@ def test_prefill_goes_through_the_verifier_in_chunks_with_hidden_states(models, 
     # every prompt position but the last has its final hidden state, equal to a full forward's
     hidden = mx.concatenate([c.result.hidden for c in chunks], axis=0)
     assert hidden.shape == (len(prompt) - 1, model.args.hidden_size)
-    taps = specdec.model_taps(model)
+    taps = specdec.capture.model_taps(model)
     with taps.recording() as rec:
         model(mx.array(prompt[:-1])[None], cache=make_prompt_cache(model))
     assert np.allclose(np.array(hidden), np.array(rec["hidden"][0]), atol=1e-5)
@@ -218,7 +218,7 @@ def test_hidden_verifier_logits_are_the_models_own(arch):
     model = make_tiny_model(arch)
     tokens = mx.array([3, 17, 42, 9, 28, 5, 61, 11, 3, 17, 42, 9])
     ref_cache, cache = make_prompt_cache(model), make_prompt_cache(model)
-    verifier = specdec.HiddenStateVerifier(layers=(0, -1))
+    verifier = specdec.verifiers.HiddenStateVerifier(layers=(0, -1))
     verifier.bind(model)
     for chunk in (tokens[:7], tokens[7:8], tokens[8:]):  # prefill, a step, a block
         ref = model(chunk[None], cache=ref_cache)[0].astype(mx.float32)
@@ -228,7 +228,7 @@ def test_hidden_verifier_logits_are_the_models_own(arch):
         assert got.hidden.shape == (chunk.shape[0], model.args.hidden_size)
         assert set(got.layers) == {0, -1}
         # the exact draft head applied to the hidden states is the model's output path
-        head = specdec.ExactHead()
+        head = specdec.heads.ExactHead()
         head.bind(model)
         assert mx.abs(head.logits(got.hidden) - ref).max().item() == 0.0
     if arch == "gemma4":  # final logit softcapping is applied (by the model, not by us)
@@ -239,7 +239,7 @@ def test_hidden_verifier_logits_are_the_models_own(arch):
 def test_taps_leave_the_parameter_tree_and_plain_calls_alone(models):
     model = make_tiny_model("llama")
     before = sorted(k for k, _ in _flat(model.parameters()))
-    specdec.model_taps(model)._layer_tap(0)
+    specdec.capture.model_taps(model)._layer_tap(0)
     assert sorted(k for k, _ in _flat(model.parameters())) == before
     x = mx.array([[1, 2, 3]])
     assert mx.array_equal(model(x), make_tiny_model("llama")(x))
@@ -271,7 +271,7 @@ def _fed(model, tokens):
 def test_kv_view_of_plain_cache_is_every_entry_in_order():
     model = make_tiny_model("llama")
     caches = _fed(model, list(range(1, 12)))
-    views = specdec.kv_views(caches)
+    views = specdec.kvview.kv_views(caches)
     for c, v in zip(caches, views):
         assert v.length == 11 and v.offset == 11 and v.positions == tuple(range(11))
         assert v.window is None
@@ -284,7 +284,7 @@ def test_kv_view_of_quantized_cache_is_dequantized():
     caches = _fed(model, list(range(1, 12)))
     plain = caches[2]
     assert type(plain) is mlx_cache.KVCache
-    v = specdec.kv_view(plain.to_quantized(group_size=32, bits=8))
+    v = specdec.kvview.kv_view(plain.to_quantized(group_size=32, bits=8))
     assert v.length == 11 and v.keys.shape == plain.keys[..., :11, :].shape
     assert np.allclose(np.array(v.keys), np.array(plain.keys[..., :11, :]), atol=0.05)
     assert np.allclose(np.array(v.values), np.array(plain.values[..., :11, :]), atol=0.05)
@@ -301,7 +301,7 @@ def test_kv_view_of_rotating_cache_after_wrap_is_the_attended_window(steps):
         pos += n
     ref = _fed(model, tokens)  # one forward over everything
     for c, r in zip(caches, ref):
-        v = specdec.kv_view(c)
+        v = specdec.kvview.kv_view(c)
         if type(c) is mlx_cache.RotatingKVCache:
             assert c.offset > c.max_size  # wrapped
             w = c.max_size - 1
@@ -313,14 +313,14 @@ def test_kv_view_of_rotating_cache_after_wrap_is_the_attended_window(steps):
             kit = cache_view(c)
             assert np.array_equal(kit[1], np.array(v.keys))
             # full_window: the last `window` entries (a query without a key of its own)
-            f = specdec.kv_view(c, full_window=True)
+            f = specdec.kvview.kv_view(c, full_window=True)
             w = c.max_size
             assert f.length == w and f.positions == tuple(range(pos - w, pos))
             assert np.allclose(np.array(f.keys), np.array(r.keys[..., -w:, :]), atol=1e-5)
             assert np.allclose(np.array(f.values), np.array(r.values[..., -w:, :]), atol=1e-5)
         else:
             assert v.length == pos
-            assert specdec.kv_view(c, full_window=True).length == pos
+            assert specdec.kvview.kv_view(c, full_window=True).length == pos
 
 
 def test_kv_view_during_propose_holds_history_but_the_last_token(models, copy_prompts):
@@ -335,7 +335,7 @@ def test_kv_view_during_propose_holds_history_but_the_last_token(models, copy_pr
 
             class S(specdec.BaseDrafterSession):
                 def propose(self, history, max_len):
-                    views = specdec.kv_views(ctx.caches)
+                    views = specdec.kvview.kv_views(ctx.caches)
                     seen.append((len(history), views[0].offset, views[0].length))
                     return None
 
@@ -373,7 +373,7 @@ def test_draft_head_is_built_once_and_shared(models):
         p1 = specdec.assemble(model, policy=pol, host=host)
         p2 = specdec.assemble(model, policy=pol, host=host)
     assert p1.heads["needs_hidden"] is p1.heads["needs_hidden_2"] is p2.heads["needs_hidden"]
-    assert isinstance(p1.heads["needs_hidden"], specdec.ExactHead)
+    assert isinstance(p1.heads["needs_hidden"], specdec.heads.ExactHead)
     out = p1.generate([1, 2, 3, 4, 1, 2, 3], max_tokens=4)
     assert out.stats.draft_heads["exact"]["calls"] > 0
 
@@ -427,7 +427,7 @@ def test_exact_draft_head_is_a_builtin():
     host = specdec.get_plugin_host()
     info = host.components["draft_head"]["exact"]
     assert info.distribution == "specdec-core"
-    assert isinstance(host.create("draft_head", "exact"), specdec.ExactHead)
+    assert isinstance(host.create("draft_head", "exact"), specdec.heads.ExactHead)
 
 
 # -- one loop ------------------------------------------------------------------

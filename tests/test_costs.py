@@ -47,7 +47,7 @@ def test_curve_round_trips_and_rejects_bad_tables():
 def test_profile_measures_every_width_and_context_and_leaves_no_state():
     model = make_tiny_model("llama")
     seen = []
-    c = specdec.profile_verify_cost(
+    c = specdec.costs.profile_verify_cost(
         model,
         widths=(1, 3, 6),
         contexts=(16, 40),
@@ -59,7 +59,7 @@ def test_profile_measures_every_width_and_context_and_leaves_no_state():
     assert seen[-1] == (2 * 3 * 2, 2 * 3 * 2)  # contexts x widths x (repeats + warm-up)
     assert c.key == model_fingerprint(model)
     with pytest.raises(ValueError, match="widths"):
-        specdec.profile_verify_cost(model, widths=(3, 1))
+        specdec.costs.profile_verify_cost(model, widths=(3, 1))
 
 
 def test_cost_model_profiles_once_then_reads_the_cache(tmp_path, monkeypatch):
@@ -126,7 +126,7 @@ def test_a_profile_cell_is_the_fastest_of_its_forwards(monkeypatch):
 
     monkeypatch.setattr(specdec.verifiers.LogitsVerifier, "verify", verify)
     monkeypatch.setattr(specdec.costs.time, "perf_counter", clock)
-    c = specdec.profile_verify_cost(make_tiny_model("llama"), widths=(1, 2), contexts=(8,))
+    c = specdec.costs.profile_verify_cost(make_tiny_model("llama"), widths=(1, 2), contexts=(8,))
     assert c.seconds == ((1.0, 1.0),)
 
 
@@ -142,7 +142,7 @@ def test_cost_model_with_a_given_curve_never_profiles(tmp_path, monkeypatch):
 
 
 def test_round_overheads_read_in_quarter_steps_move_only_past_a_whole_quarter():
-    o = specdec.RoundOverhead()
+    o = specdec.costs.RoundOverhead()
     extra = {"d": 0.093}
     o.extra_s = lambda drafter=None: extra.get(drafter, 0.0)
     step = 0.1  # seconds of a one-token step
@@ -197,49 +197,49 @@ def test_best_block_maximises_tokens_per_second():
     def gentle(w):
         return 1.0 + 0.1 * (w - 1)
 
-    assert specdec.best_block([1.0] * 8, flat).size == 8
-    assert specdec.best_block([0.0] * 8, gentle).size == 0
+    assert specdec.costs.best_block([1.0] * 8, flat).size == 8
+    assert specdec.costs.best_block([0.0] * 8, gentle).size == 0
     # Cost proportional to width: no block beats a plain step unless every token lands.
-    assert specdec.best_block([0.9, 0.9], linear).size == 0
-    c = specdec.best_block([0.9, 0.9], gentle)
+    assert specdec.costs.best_block([0.9, 0.9], linear).size == 0
+    c = specdec.costs.best_block([0.9, 0.9], gentle)
     assert c.size == 2
     assert c.expected_tokens == pytest.approx(1 + 0.9 + 0.81)
     assert c.rate == pytest.approx(2.71 / 1.2) and c.gain == pytest.approx(2.71 / 1.2)
     # Position 3 is a coin flip at a steep extra cost: stop before it.
-    assert specdec.best_block([1.0, 1.0, 0.1], lambda w: 1.0 + (w > 3) * 5.0).size == 2
-    assert specdec.best_block([1.0] * 8, flat, max_size=3).size == 3
+    assert specdec.costs.best_block([1.0, 1.0, 0.1], lambda w: 1.0 + (w > 3) * 5.0).size == 2
+    assert specdec.costs.best_block([1.0] * 8, flat, max_size=3).size == 3
     # Equal rates: the smaller block.
-    assert specdec.best_block([0.0, 1.0], flat).size == 0
+    assert specdec.costs.best_block([0.0, 1.0], flat).size == 0
     # Drafting time counts.
-    assert specdec.best_block([0.5] * 4, flat, draft_cost=lambda k: k * 10.0).size == 0
+    assert specdec.costs.best_block([0.5] * 4, flat, draft_cost=lambda k: k * 10.0).size == 0
 
 
 def test_acceptance_estimate_counts_reached_and_accepted_positions():
-    e = specdec.AcceptanceEstimate(4, prior_weight=0.0, decay=1.0)
+    e = specdec.costs.AcceptanceEstimate(4, prior_weight=0.0, decay=1.0)
     e.observe(4, 2)  # positions 1, 2 accepted, 3 rejected, 4 never reached
     e.observe(2, 2)
     assert e.reached == [2.0, 2.0, 1.0, 0.0] and e.accepted == [2.0, 2.0, 0.0, 0.0]
     assert e.probs(3) == [1.0, 1.0, 0.0]
     assert e.pooled() == pytest.approx((4 + 0.5) / (5 + 1))
-    shrunk = specdec.AcceptanceEstimate(4, prior_weight=2.0, decay=1.0)
+    shrunk = specdec.costs.AcceptanceEstimate(4, prior_weight=2.0, decay=1.0)
     shrunk.observe(4, 2)
     p = shrunk.pooled()
     assert shrunk.probs()[3] == pytest.approx(p)  # unreached: the pooled rate
     assert shrunk.probs()[2] == pytest.approx((0 + 2 * p) / (1 + 2))
-    decayed = specdec.AcceptanceEstimate(2, decay=0.5)
+    decayed = specdec.costs.AcceptanceEstimate(2, decay=0.5)
     decayed.observe(1, 1)
     decayed.observe(1, 0)
     assert decayed.reached[0] == pytest.approx(1.5) and decayed.accepted[0] == pytest.approx(0.5)
     assert decayed.to_dict(2)["outcomes"] == 2
     with pytest.raises(ValueError):
-        specdec.AcceptanceEstimate(4, decay=0.0)
+        specdec.costs.AcceptanceEstimate(4, decay=0.0)
 
 
 def test_acceptance_estimate_learns_an_outcome_in_parts():
     # A proposal scored as the target commits: 3 tokens matched after one round,
     # then the 5th differed. Learnt in two parts, it is one outcome of 4 accepted.
-    whole = specdec.AcceptanceEstimate(6, decay=0.5)
-    parts = specdec.AcceptanceEstimate(6, decay=0.5)
+    whole = specdec.costs.AcceptanceEstimate(6, decay=0.5)
+    parts = specdec.costs.AcceptanceEstimate(6, decay=0.5)
     for e in (whole, parts):
         e.observe(6, 6)  # an earlier outcome, so the decay shows
     whole.observe(6, 4)
@@ -253,7 +253,7 @@ def test_acceptance_estimate_learns_an_outcome_in_parts():
 
 
 def test_round_overhead_learns_what_a_drafted_round_costs_beyond_its_forward():
-    o = specdec.RoundOverhead(prior_s=0.5, prior_rounds=1.0, decay=1.0, alpha=0.5)
+    o = specdec.costs.RoundOverhead(prior_s=0.5, prior_rounds=1.0, decay=1.0, alpha=0.5)
     assert o.extra_s("ngram_copy") == 0.5 and o.baseline_s == 0.0  # the prior
     o.observe("plain", 0.2, step_s=10.0)
     o.observe("plain", 0.2, step_s=10.0)
@@ -278,21 +278,21 @@ def test_round_overhead_learns_what_a_drafted_round_costs_beyond_its_forward():
     assert d["extra_ms"]["ngram_copy"] == pytest.approx(1e3 * o.extra_s("ngram_copy"), abs=1e-3)
     # A pause of the process counts as one step at most (half a step below); a round
     # that costs less than the baseline gives no negative overhead.
-    c = specdec.RoundOverhead(prior_rounds=1e-9, decay=1.0)
+    c = specdec.costs.RoundOverhead(prior_rounds=1e-9, decay=1.0)
     c.observe("drafted", 50.0, step_s=2.0)
     assert c.extra_s() == pytest.approx(2.0)
     c.observe("plain", -50.0, step_s=2.0)
     assert c.baseline_s == pytest.approx(0.05 * -1.0)
-    neg = specdec.RoundOverhead()
+    neg = specdec.costs.RoundOverhead()
     neg.observe("drafted", -0.5, step_s=2.0)
     assert neg.extra_s() == 0.0
     # Decay, per round of any kind: newer rounds weigh more, and while nothing is
     # drafted the estimate relaxes towards the prior (drafting gets measured again).
-    d = specdec.RoundOverhead(prior_rounds=1e-9, decay=0.5)
+    d = specdec.costs.RoundOverhead(prior_rounds=1e-9, decay=0.5)
     d.observe("drafted", 1.0, step_s=10.0)
     d.observe("drafted", 3.0, step_s=10.0)
     assert d.extra_s() == pytest.approx((0.5 * 1 + 3) / 1.5)
-    r = specdec.RoundOverhead(prior_s=0.0, prior_rounds=1.0, decay=0.9, alpha=1e-9)
+    r = specdec.costs.RoundOverhead(prior_s=0.0, prior_rounds=1.0, decay=0.9, alpha=1e-9)
     r.observe("drafted", 5.0, step_s=10.0)
     high = r.extra_s()
     for _ in range(60):
@@ -301,7 +301,7 @@ def test_round_overhead_learns_what_a_drafted_round_costs_beyond_its_forward():
     with pytest.raises(ValueError, match="round kind"):
         o.observe("pipelined", 1.0, step_s=1.0)
     with pytest.raises(ValueError):
-        specdec.RoundOverhead(decay=0.0)
+        specdec.costs.RoundOverhead(decay=0.0)
 
 
 def test_a_drafted_rounds_overhead_can_make_a_weak_block_not_pay():
@@ -310,13 +310,13 @@ def test_a_drafted_rounds_overhead_can_make_a_weak_block_not_pay():
     def cost(w):
         return 1.0 if w == 1 else 1.12
 
-    assert specdec.best_block([0.26], cost).size == 1
-    assert specdec.best_block([0.26], cost, draft_cost=lambda k: 0.3).size == 0
+    assert specdec.costs.best_block([0.26], cost).size == 1
+    assert specdec.costs.best_block([0.26], cost, draft_cost=lambda k: 0.3).size == 0
     # ... while a long block that lands keeps paying.
-    assert specdec.best_block([0.9] * 8, cost, draft_cost=lambda k: 0.3).size == 8
+    assert specdec.costs.best_block([0.9] * 8, cost, draft_cost=lambda k: 0.3).size == 8
     # The baseline every round pays (overhead_s) counts on both sides.
     cm = CostModel(None, curve=curve([(1.0, 1.12, 1.2, 1.3), (1.0, 1.12, 1.2, 1.3)]))
-    cm.overhead = specdec.RoundOverhead(decay=1.0, prior_rounds=1.0)
+    cm.overhead = specdec.costs.RoundOverhead(decay=1.0, prior_rounds=1.0)
     for _ in range(200):
         cm.observe_round("plain", 1, 100, 1.1)  # excess 0.1
     for _ in range(20):
@@ -332,17 +332,17 @@ def test_a_drafted_rounds_overhead_can_make_a_weak_block_not_pay():
 
 
 def test_shadow_score_follows_the_rounds_after_it():
-    s = specdec.ShadowScore(10, [1, 2, 3, 4])
+    s = specdec.shadow.ShadowScore(10, [1, 2, 3, 4])
     assert not s.feed(10, [1])  # a plain step: one token matched
     assert not s.feed(11, [2, 3]) and s.matched == 3
     assert s.feed(13, [9, 9]) and s.outcome() == (4, 3) and not s.full
-    full = specdec.ShadowScore(0, [5, 6])
+    full = specdec.shadow.ShadowScore(0, [5, 6])
     assert full.feed(0, [5, 6, 7]) and full.full and full.outcome() == (2, 2)
-    wrong = specdec.ShadowScore(0, [5, 6])
+    wrong = specdec.shadow.ShadowScore(0, [5, 6])
     assert wrong.feed(0, [4]) and wrong.outcome() == (2, 0)
-    gap = specdec.ShadowScore(0, [5, 6])
+    gap = specdec.shadow.ShadowScore(0, [5, 6])
     assert gap.feed(3, [6]) and gap.lost
-    late = specdec.ShadowScore(5, [7])
+    late = specdec.shadow.ShadowScore(5, [7])
     assert late.feed(3, [1, 2, 7]) and late.full  # a round that began before it
 
 
@@ -498,7 +498,7 @@ def test_the_loop_tells_the_cost_model_each_rounds_kind_without_the_consumers_ti
             host=host,
         )
         pipe.cost_model = CostModel(model, curve=given)
-        pipe.cost_model.overhead = specdec.RoundOverhead(alpha=1.0)  # the last plain step
+        pipe.cost_model.overhead = specdec.costs.RoundOverhead(alpha=1.0)  # the last plain step
         tokens = []
         for r in pipe.stream(prompt, max_tokens=n_tok):
             tokens.append(r.token)

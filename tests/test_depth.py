@@ -1,9 +1,9 @@
-"""specdec.AdaptiveDepth: the depth rule the model-head drafters share."""
+"""specdec.depth.AdaptiveDepth: the depth rule the model-head drafters share."""
 
 from __future__ import annotations
 
 import pytest
-from specdec import AdaptiveDepth
+from specdec.depth import AdaptiveDepth
 
 
 def test_adaptive_depth_rule():

@@ -1,4 +1,4 @@
-"""specdec.OutputLayer: the target's output layer as rows (exact logits of chosen tokens),
+"""specdec.heads.OutputLayer: the target's output layer as rows (exact logits of chosen tokens),
 the head contract's ``context`` and ``tokenizer`` hand-over, and draft_model's ``head``."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ def _states(n=5, hidden=64, seed=0):
 
 
 def _full(model, h):
-    return specdec.model_taps(model).head(h[None])[0].astype(mx.float32)
+    return specdec.capture.model_taps(model).head(h[None])[0].astype(mx.float32)
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHITECTURES)
 @pytest.mark.parametrize("tied", [False, True])
 def test_rows_are_the_full_heads_logits(arch, tied):
     model = make_tiny_model(arch, tie_word_embeddings=tied) if tied else make_tiny_model(arch)
-    ol = specdec.OutputLayer(model)
+    ol = specdec.heads.OutputLayer(model)
     # gemma3 keeps its lm_head unless a checkpoint without one is loaded
     assert ol.tied == (tied and arch != "gemma3") and ol.vocab_size == 64 and ol.hidden_size == 64
     if arch == "gemma4":
@@ -55,7 +55,7 @@ def test_rows_are_the_full_heads_logits(arch, tied):
 def test_rows_of_a_quantized_head_use_its_own_arithmetic():
     model = make_tiny_model("llama", seed=11)
     nn.quantize(model, group_size=32, bits=4)
-    ol = specdec.OutputLayer(model)
+    ol = specdec.heads.OutputLayer(model)
     assert ol.quantized == (4, 32, "affine") and ol.hidden_size == 64
     h = _states(3)
     full = _full(model, h)
@@ -75,12 +75,12 @@ def test_an_output_path_that_is_not_a_known_scaling_is_refused():
     odd = Odd(model.args)
     odd.update(model.parameters())
     with pytest.raises(specdec.ModelLoadError, match="output path.*tried: none"):
-        specdec.OutputLayer(odd)
+        specdec.heads.OutputLayer(odd)
 
 
 def test_output_layer_is_made_once_per_model():
     model = make_tiny_model("llama", seed=13)
-    assert specdec.output_layer(model) is specdec.output_layer(model)
+    assert specdec.heads.output_layer(model) is specdec.heads.output_layer(model)
 
 
 # -- the head contract: context and tokenizer ---------------------------------------
@@ -100,7 +100,7 @@ class _Recording:
 
     def bind(self, model, tokenizer=None):
         self.bound = (model, tokenizer)
-        self.out = specdec.output_layer(model)
+        self.out = specdec.heads.output_layer(model)
         self.vocab_size = self.out.vocab_size
 
     def logits(self, hidden, context=None):
@@ -117,7 +117,7 @@ class _OldStyle:
     name = "old_head"
 
     def bind(self, model):
-        self.out = specdec.output_layer(model)
+        self.out = specdec.heads.output_layer(model)
         self.vocab_size = self.out.vocab_size
 
     def logits(self, hidden):

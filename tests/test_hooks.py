@@ -605,12 +605,12 @@ def test_process_wide_host_can_be_reset():
     original = specdec.get_plugin_host()
     try:
         assert specdec.get_plugin_host() is original
-        assert specdec.get_plugin_manager() is original.pm
+        assert specdec.plugins.get_plugin_manager() is original.pm
         replacement = PluginHost(load_entry_points=False)
-        specdec.reset_plugin_host(replacement)
+        specdec.plugins.reset_plugin_host(replacement)
         assert specdec.get_plugin_host() is replacement
-        specdec.reset_plugin_host()
+        specdec.plugins.reset_plugin_host()
         fresh = specdec.get_plugin_host()
         assert fresh is not replacement and fresh is not original
     finally:
-        specdec.reset_plugin_host(original)
+        specdec.plugins.reset_plugin_host(original)

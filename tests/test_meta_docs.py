@@ -241,6 +241,8 @@ def test_public_names_in_docs_exist():
     missing = set()
     for md in DOCS.glob("*.md"):
         for name in re.findall(r"\bspecdec\.([A-Za-z_]\w*)\b", _read(md)):
+            if name in specdec.MOVED or name == "training":  # 0.2 names, in the docs'
+                continue  # table of where each went
             if hasattr(specdec, name) or importlib.util.find_spec(f"specdec.{name}"):
                 continue
             missing.add(f"{md.name}: specdec.{name}")

@@ -27,7 +27,7 @@ def test_defaults_are_plain_decoding():
 
 def test_public_names():
     assert specdec.Policy is Policy
-    assert specdec.PRESETS is PRESETS
+    assert specdec.presets.PRESETS is PRESETS
     assert specdec.load_policy is load_policy
 
 

@@ -38,8 +38,26 @@ if _blas_status.action == "too_late":
         stacklevel=2,
     )
 
-from . import drafting as drafting
-from . import options as options
+# The documented submodules (light; not training, the bench or distributed).
+from . import (
+    capture,
+    checkpoints,
+    costs,
+    depth,
+    drafting,
+    heads,
+    kvview,
+    loading,
+    options,
+    paths,
+    presets,
+    progress,
+    roles,
+    rollback,
+    sampling,
+    shadow,
+    verifiers,
+)
 from .assembly import assemble
 from .batch import Batch, BatchEvent
 from .errors import (

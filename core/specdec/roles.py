@@ -49,7 +49,7 @@ ROLES = ("drafter", "verifier", "acceptor", "cache_rollback", "governor", "draft
 #: - ``logits``: target logits per fed position, through the model's own output path.
 #: - ``hidden``: the final hidden states (the input of the output head) per fed position.
 #: - ``layer_hidden``: the outputs of chosen decoder layers (:attr:`Drafter.hidden_layers`).
-#: - ``kv``: the target's caches are mlx-lm caches that :func:`specdec.kv_views` can read.
+#: - ``kv``: the target's caches are mlx-lm caches that :func:`specdec.kvview.kv_views` can read.
 CAPABILITIES = ("logits", "hidden", "layer_hidden", "kv")
 
 
@@ -146,7 +146,7 @@ class RoundResult:
             this holds the winner's block only (its full proposal, before any cut).
         shadows: ``{drafter: tokens}`` of the sessions that the governor gave no budget
             this round and that answered ``shadow()``: what they would have proposed,
-            for shadow scoring against ``committed`` (see :class:`specdec.ShadowScore`).
+            for shadow scoring against ``committed`` (see :class:`specdec.shadow.ShadowScore`).
     """
 
     drafter: str | None
@@ -179,7 +179,7 @@ class RequestContext:
         verifier: the pipeline's verifier.
         head: the draft head the drafter named with its ``head`` option (``None`` otherwise).
         plan: the request's rollback plan over ``caches``.
-        cost: the pipeline's :class:`specdec.CostModel` (what a verify forward of each
+        cost: the pipeline's :class:`specdec.costs.CostModel` (what a verify forward of each
             width costs at each context length, and what a round and a drafted round
             cost beyond it: ``round_overhead_s``, ``draft_overhead_s(drafter)``) when
             the drafter asked for it with ``uses_verify_cost``; ``None`` otherwise.
@@ -313,7 +313,7 @@ class CacheRollback(Protocol):
     Optional members (defaults in :class:`BaseCacheRollback`): ``supports_batch``
     (whether it rolls back the rows of a batch by different amounts; read from the
     instance, so it may depend on options), ``bind(plan)`` (called once when a
-    :class:`specdec.RollbackPlan` takes the rollback, before it is asked ``supports``).
+    :class:`specdec.rollback.RollbackPlan` takes the rollback, before it is asked ``supports``).
     """
 
     name: str
@@ -437,7 +437,7 @@ class BaseDrafter:
     #: Whether its sessions can run as rows of a batch.
     supports_batch: bool = False
     #: Whether its sessions read ``ctx.cost`` (the pipeline then builds a
-    #: :class:`specdec.CostModel`, profiling the model once per device).
+    #: :class:`specdec.costs.CostModel`, profiling the model once per device).
     uses_verify_cost: bool = False
     #: Whether its proposals (block and ``q``) depend only on the history and the
     #: target's outputs, never on anything local to a process (timings, randomness):
@@ -522,7 +522,7 @@ class BaseCacheRollback:
     name = "base"
     #: Whether it rolls back the rows of a batch by different amounts.
     supports_batch: bool = False
-    #: ``bind(plan)``: called once when a :class:`specdec.RollbackPlan` takes it (``None``:
+    #: ``bind(plan)``: called once when a :class:`specdec.rollback.RollbackPlan` takes it (``None``:
     #: not called).
     bind: Callable[[Any], None] | None = None
 

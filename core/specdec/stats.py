@@ -56,7 +56,7 @@ class Stats:
             whose forward was used.
         verify_cost: the pipeline's cost model's ``stats()`` (empty without one), at the
             end of the request: with ``round_overhead`` (the baseline and each
-            drafter's extra in ms, the rounds seen by kind; :class:`specdec.RoundOverhead`).
+            drafter's extra in ms, the rounds seen by kind; :class:`specdec.costs.RoundOverhead`).
         distributed: on a model sharded across ranks (:mod:`specdec.distributed`):
             ``ranks``, ``rank``, ``kind``, ``method``, ``collectives_per_forward`` (this
             rank's collective operations per model forward), ``decode_forwards``,

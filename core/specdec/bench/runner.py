@@ -455,13 +455,13 @@ def _run_pipeline(
 
 def share_round_overhead(pipes: Sequence[Pipeline]) -> int:
     """Give the pipelines measured side by side one round-overhead estimate
-    (:attr:`specdec.CostModel.overhead`) where they price blocks by the same curve
+    (:attr:`specdec.costs.CostModel.overhead`) where they price blocks by the same curve
     (the same model, verifier and widths).
 
     Each would otherwise learn its own from its own rounds' timings, and two
     policies that draft the same tokens (``copy`` and ``ngram``) could size their
     blocks differently from noise alone; sharing it, with the drafters reading it
-    in whole quarters of a step (:meth:`specdec.CostModel.steady_overheads`), they
+    in whole quarters of a step (:meth:`specdec.costs.CostModel.steady_overheads`), they
     price identical drafts alike. Returns how many pipelines now share another's.
     """
     first: dict[tuple, Any] = {}

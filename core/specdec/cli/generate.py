@@ -194,7 +194,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     sampling = dict(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     # 1. everything that can be checked without a model
-    specdec.validate_request(max_tokens=args.max_tokens, **sampling)
+    specdec.sampling.validate_request(max_tokens=args.max_tokens, **sampling)
     policy = build_policy(args)
     model = check_model_spec(args.model, "--model") if args.model else None
     prompt = read_prompt(args.prompt)

@@ -290,7 +290,7 @@ def verify_cost_report(
     from specdec.costs import CostModel
 
     path, model, _ = loaded or _load_doctor_model(model_spec)
-    cm = CostModel(model, specdec.LogitsVerifier())
+    cm = CostModel(model, specdec.verifiers.LogitsVerifier())
     if reprofile:
         CostModel._memory.pop(cm._fingerprint, None)
         cm.persist_read = False

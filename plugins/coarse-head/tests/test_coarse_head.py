@@ -30,7 +30,7 @@ def _states(n=6, hidden=64, seed=0):
 
 
 def _full(model, h):
-    return specdec.model_taps(model).head(h[None])[0].astype(mx.float32)
+    return specdec.capture.model_taps(model).head(h[None])[0].astype(mx.float32)
 
 
 def test_entry_point():

@@ -28,7 +28,7 @@ def smollm2():
 def states(smollm2):
     model, tok = smollm2
     ids = tok.encode(TEXT)
-    taps = specdec.model_taps(model)
+    taps = specdec.capture.model_taps(model)
     with taps.recording() as rec:
         logits = model(mx.array(ids)[None], cache=make_prompt_cache(model))
     return ids, rec["hidden"][0], mx.argmax(logits[0], axis=-1)
@@ -37,12 +37,12 @@ def states(smollm2):
 def test_rescored_candidates_are_the_full_heads_logits(smollm2, states):
     model, _ = smollm2
     _, hidden, _ = states
-    ol = specdec.output_layer(model)
+    ol = specdec.heads.output_layer(model)
     assert ol.tied and ol.vocab_size == 49152 and ol.post is None
     ids = mx.array(list(range(0, 49152, 768)))  # 64 rows across the vocabulary
     for i in (0, 7, 20):
         h = hidden[i : i + 1]
-        full = specdec.model_taps(model).head(h[None])[0].astype(mx.float32)
+        full = specdec.capture.model_taps(model).head(h[None])[0].astype(mx.float32)
         # the same products summed by a narrower matmul: BLAS orders the sums by the
         # shape, so equal within float32 rounding (measured: |diff| <= 1.2e-5 here)
         diff = float(mx.max(mx.abs(ol.rows(h, ids) - full[:, ids])))

@@ -132,7 +132,7 @@ def test_a_draft_step_matches_an_independent_numpy_reference(centroids):
     cfg = module.config
     tokens = list(range(3, 23))  # 20 tokens: the sliding window (8) has wrapped
     caches = make_prompt_cache(model)
-    taps = specdec.model_taps(model)
+    taps = specdec.capture.model_taps(model)
     with taps.recording() as rec:
         model(mx.array(tokens[:-1])[None], cache=caches)
     h = rec["hidden"][0, -1:]
@@ -354,7 +354,7 @@ def test_the_target_side_gives_the_stock_logits_the_last_hidden_state_and_the_sh
     model = target(name)
     module, binding = new_assistant(model, layers=["sliding_attention", "full_attention"])
     tokens = mx.array(list(range(5, 25)))
-    v = specdec.HiddenStateVerifier()
+    v = specdec.verifiers.HiddenStateVerifier()
     v.bind(model)
     caches = make_prompt_cache(model)
     got = v.verify(model, tokens, caches)

@@ -267,14 +267,14 @@ def test_rename_is_copied_through():
 
 def cost_ctx(prompt, cost):
     c = request_context(prompt)
-    c.cost = specdec.CostModel(None, curve=cost) if cost is not None else None
+    c.cost = specdec.costs.CostModel(None, curve=cost) if cost is not None else None
     return c
 
 
 def flat_curve(step=1.0, per_token=0.01):
     widths = (1, 2, 4, 8, 17)
     row = tuple(step + per_token * (w - 1) for w in widths)
-    return specdec.VerifyCostCurve(widths=widths, contexts=(1,), seconds=(row,))
+    return specdec.costs.VerifyCostCurve(widths=widths, contexts=(1,), seconds=(row,))
 
 
 PERIOD = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]

@@ -312,7 +312,7 @@ def test_without_a_store_nothing_is_kept():
 
 
 def test_store_hits_are_sized_by_the_cost(tmp_path):
-    curve = specdec.VerifyCostCurve(
+    curve = specdec.costs.VerifyCostCurve(
         widths=(1, 2, 4, 8, 17), contexts=(1,), seconds=((1.0, 1.0, 1.0, 1.0, 1.0),)
     )
     drafter = create_ngram_copy(store=str(tmp_path / "s.bin"))
@@ -322,7 +322,7 @@ def test_store_hits_are_sized_by_the_cost(tmp_path):
     # another pipeline (or process) naming the same file sees it
     other = create_ngram_copy(store=str(tmp_path / "s.bin"))
     c = request_context([4, 5, 6])
-    c.cost = specdec.CostModel(None, curve=curve)
+    c.cost = specdec.costs.CostModel(None, curve=curve)
     s = other.session(c)
     h = feed_round(s, [4, 5, 6], ANSWER[:3])
     draft = s.propose(h, 16)

@@ -70,7 +70,7 @@ def trained(tmp_path_factory):
             assert st["last_loss"] < st["first_loss"] / 4 and st["top1"] > 0.8, st
             folder = save_hf_checkpoint(tmp_path_factory.mktemp(arch), model, head)
             loaded, _ = mlx_load_model(folder)
-            specdec.set_model_source(loaded, folder)
+            specdec.loading.set_model_source(loaded, folder)
             cache[arch] = (loaded, folder, seqs)
         return cache[arch]
 

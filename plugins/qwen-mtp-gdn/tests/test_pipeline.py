@@ -101,7 +101,7 @@ class _FailingVerifier:
         self.caches = None
 
     def verify(self, model, tokens, caches):
-        from specdec import LogitsVerifier
+        from specdec.verifiers import LogitsVerifier
 
         self.calls += 1
         if self.calls == 3:
@@ -213,7 +213,7 @@ def test_a_block_fed_on_a_round_queued_ahead_rolls_back_exactly(arch, strategy):
                         "reference": prompt + plain,
                         "at": [n + 12, n + 25],
                         "corruption": corruption,
-                        "vocab_size": specdec.model_vocab_size(model),
+                        "vocab_size": specdec.heads.model_vocab_size(model),
                     }
                 },
             ),

@@ -8,7 +8,7 @@ import pytest
 import specdec
 from mlx_lm.models import cache as C
 from mlx_lm.models import gated_delta, qwen3_next
-from specdec import KVTrimRollback, RollbackPlan
+from specdec.rollback import KVTrimRollback, RollbackPlan
 from specdec_qwen_mtp_gdn import (
     STRATEGIES,
     CaptureError,

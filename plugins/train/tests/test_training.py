@@ -35,10 +35,10 @@ def test_record_keeps_every_positions_kv_as_the_caches_hold_it(arch):
     for i, t in enumerate(tokens):
         model(mx.array([[t]]), cache=caches)
         for j in kv_layers:
-            v = specdec.kv_view(caches[j], full_window=True)
+            v = specdec.kvview.kv_view(caches[j], full_window=True)
             keys = np.asarray(rec.kv[j][0][: i + 1].transpose(1, 0, 2))[:, -v.length :]
             np.testing.assert_allclose(np.asarray(v.keys[0]), keys, atol=1e-4)
-    assert any(specdec.kv_view(c).window for c in caches) == (arch == "gemma4")
+    assert any(specdec.kvview.kv_view(c).window for c in caches) == (arch == "gemma4")
 
 
 def test_batched_answers_record_each_rows_own_kv():

@@ -6,7 +6,7 @@ A draft step's logits come in two passes over the hidden state ``h``:
    output layer (``quantized_matmul``); or ``pruned``, float32 rows of the ``keep``
    most frequent tokens of a corpus plus the tokens of the request's context;
 2. the best ``candidates`` tokens of that pass are rescored with the real output
-   layer's rows (:meth:`specdec.OutputLayer.rows`: the layer's own arithmetic on
+   layer's rows (:meth:`specdec.heads.OutputLayer.rows`: the layer's own arithmetic on
    those rows, then the model's soft-capping or logit scale).
 
 The logits handed back are the exact logits of the candidates and ``-inf``
@@ -152,7 +152,7 @@ class CoarseHead:
                 hidden size is not a multiple of ``group_size`` (for ``quant``).
         """
         t0 = time.perf_counter()
-        self.out = specdec.output_layer(model)
+        self.out = specdec.heads.output_layer(model)
         self.vocab_size = self.out.vocab_size
         self.candidates = min(self.candidates, self.vocab_size)
         self.info = {"output_layer": self.out.describe(), "kind": self.kind}
@@ -210,7 +210,7 @@ class CoarseHead:
             ids, info = frequent_tokens(None, [], self.vocab_size, keep)
             info["note"] = "no tokenizer: the lowest token ids"
         else:
-            folder = specdec.cache_dir() / "coarse-head"
+            folder = specdec.paths.cache_dir() / "coarse-head"
             ids, info = cached_frequent_tokens(
                 tokenizer, self.corpus, self.vocab_size, keep, folder
             )

@@ -19,7 +19,7 @@ wrong block costs a wider verify forward. The governor keeps that cost small:
   the core asks it what it *would* have proposed (``DrafterSession.shadow``, for
   drafters whose proposals are cheap) and hands that to the governor in
   ``RoundResult.shadows``. The governor compares the proposal with the tokens the
-  target commits from then on (:class:`specdec.ShadowScore`: no extra forward)
+  target commits from then on (:class:`specdec.shadow.ShadowScore`: no extra forward)
   and scores the outcome as it scores a verified round: a good shadow round ends
   the suspension at once and counts towards probation, poor ones in a row extend
   it (with the doubling backoff). A suspension also ends as soon as a pending
@@ -37,8 +37,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import specdec
-from specdec import BaseGovernor, BaseGovernorSession, RequestContext, RoundResult, ShadowScore
+from specdec import BaseGovernor, BaseGovernorSession, RequestContext, RoundResult
 from specdec.options import Option, Options
+from specdec.shadow import ShadowScore
 
 NAME = "copy_governor"
 

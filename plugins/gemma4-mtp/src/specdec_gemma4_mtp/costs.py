@@ -145,12 +145,12 @@ def measure_step_costs(
     top = min(vocab, per_layer or vocab)
     prompt = [rng.randrange(top) for _ in range(context)]
     caches = make_prompt_cache(model)
-    taps = specdec.model_taps(model)
+    taps = specdec.capture.model_taps(model)
     with taps.recording() as rec:
         out = model(mx.array(prompt)[None], cache=caches)
     h = rec["hidden"][:, -1:]
     mx.eval(out, h, [c.state for c in caches])
-    layer = specdec.output_layer(model)
+    layer = specdec.heads.output_layer(model)
     plan = specdec.rollback_plan(caches, model=model)
     types = cfg.layer_types
     ropes = {t: binding.donors[t].rope for t in set(types)}

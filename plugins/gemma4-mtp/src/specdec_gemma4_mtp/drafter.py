@@ -29,7 +29,6 @@ import mlx.core as mx
 import specdec
 import specdec.checkpoints
 from specdec import (
-    AdaptiveDepth,
     BaseDrafter,
     BaseDrafterSession,
     Draft,
@@ -37,6 +36,7 @@ from specdec import (
     RequestContext,
     RoundResult,
 )
+from specdec.depth import AdaptiveDepth
 from specdec.options import Option, Options
 
 from .assistant import AssistantLoadError
@@ -86,7 +86,7 @@ class Gemma4MTPDrafter(BaseDrafter):
             ``grow_at`` of the last ``window`` rounds reached the current depth
             (``None``: ``depth``, no growth). The depth never falls below ``depth``.
         adaptive: ``False`` keeps ``depth``.
-        grow_at, shrink_below, window: the :class:`specdec.AdaptiveDepth` rule.
+        grow_at, shrink_below, window: the :class:`specdec.depth.AdaptiveDepth` rule.
         position: the queries' RoPE position: ``"bonus"`` (the last token's, Hugging
             Face) or ``"last"`` (the last committed token's, vLLM / mlx-vlm); ``None``: the
             one an assistant trained by ``specdec train-assistant`` was trained for

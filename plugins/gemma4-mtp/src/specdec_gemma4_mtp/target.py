@@ -69,7 +69,7 @@ class TargetBinding:
         return self.embed(tokens) * self.scale
 
     def check_caches(self, caches: Sequence[Any], types: Sequence[str]) -> None:
-        """Raise unless every donor of ``types`` has a cache :func:`specdec.kv_view` reads.
+        """Raise unless every donor of ``types`` has a cache :func:`specdec.kvview.kv_view` reads.
 
         Raises:
             AssistantLoadError: naming the layer and what its cache is.
@@ -108,7 +108,7 @@ class TargetBinding:
         """
         out = {}
         for t in dict.fromkeys(types):
-            v = specdec.kv_view(caches[self.donors[t].layer], full_window=True)
+            v = specdec.kvview.kv_view(caches[self.donors[t].layer], full_window=True)
             if v is None or v.length == 0:
                 return None
             out[t] = (v.keys, v.values)
@@ -162,7 +162,7 @@ def bind_target(model: Any, cfg: AssistantConfig) -> TargetBinding:
     hidden = int(embed.weight.shape[1]) if hasattr(embed, "weight") else None
     if hasattr(embed, "scales"):  # quantized embedding: the hidden size from the args
         hidden = int(getattr(args, "hidden_size", hidden or 0))
-    vocab = int(specdec.model_vocab_size(tm) or 0)
+    vocab = int(specdec.heads.model_vocab_size(tm) or 0)
     if hidden != cfg.backbone_hidden_size:
         raise AssistantLoadError(
             f"gemma4_mtp: the assistant was made for a target of hidden size "

@@ -106,7 +106,7 @@ def new_assistant(
     tm = text_model(model)
     args = tm.args
     H = int(args.hidden_size)
-    V = int(specdec.model_vocab_size(tm))
+    V = int(specdec.heads.model_vocab_size(tm))
     types_avail = tuple(getattr(args, "layer_types", None) or ())
     if isinstance(layers, int):
         last = types_avail[-1] if types_avail else "full_attention"

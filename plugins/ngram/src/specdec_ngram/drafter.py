@@ -10,16 +10,16 @@ output keeps the target's distribution (point-mass acceptance).
 How long a block is (``sizing``):
 
 - ``"cost"`` (the default): the block size that maximises expected committed
-  tokens per second (:func:`specdec.best_block`), from per-position acceptance
-  estimates (:class:`specdec.AcceptanceEstimate`, one per match-length bucket,
+  tokens per second (:func:`specdec.costs.best_block`), from per-position acceptance
+  estimates (:class:`specdec.costs.AcceptanceEstimate`, one per match-length bucket,
   learnt from verified rounds and from shadow outcomes) times the voting share
   of each proposed token, and the measured cost of verifying ``k`` tokens at the
-  current context length (``ctx.cost``, the pipeline's :class:`specdec.CostModel`),
+  current context length (``ctx.cost``, the pipeline's :class:`specdec.costs.CostModel`),
   plus what a drafted round costs beyond its forward (the pipelining that plain
   steps have and a drafted round gives up, measured on the pipeline's own rounds:
-  :class:`specdec.RoundOverhead`).
+  :class:`specdec.costs.RoundOverhead`).
   Where no size pays it proposes nothing, and scores what it would have proposed
-  against what the target commits (:class:`specdec.ShadowScore`), so it learns
+  against what the target commits (:class:`specdec.shadow.ShadowScore`), so it learns
   when copying pays again without a forward.
 - ``"ladder"``: the fixed ``ladder`` of match lengths to block sizes.
 
@@ -45,17 +45,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import specdec
-from specdec import (
-    AcceptanceEstimate,
-    BaseDrafter,
-    BaseDrafterSession,
-    Draft,
-    RequestContext,
-    RoundResult,
-    ShadowScore,
-    best_block,
-)
+from specdec import BaseDrafter, BaseDrafterSession, Draft, RequestContext, RoundResult
+from specdec.costs import AcceptanceEstimate, best_block
 from specdec.options import Option, Options
+from specdec.shadow import ShadowScore
 
 from .index import NgramIndex, NgramMatch
 from .store import CopyStore, CopyStoreError
@@ -310,7 +303,7 @@ class NgramCopySession(BaseDrafterSession):
     Args:
         drafter: the drafter whose options apply.
         prompt_tokens: the request's prompt, indexed at once.
-        cost: the pipeline's :class:`specdec.CostModel` (for ``sizing = "cost"``;
+        cost: the pipeline's :class:`specdec.costs.CostModel` (for ``sizing = "cost"``;
             without one the session sizes blocks by the ladder and says so in
             ``stats()["sizing_used"]``).
     """

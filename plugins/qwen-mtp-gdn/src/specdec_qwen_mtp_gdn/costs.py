@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from specdec import KVTrimRollback, RollbackPlan, RotatingWindowRollback
+from specdec.rollback import KVTrimRollback, RollbackPlan, RotatingWindowRollback
 
 from .rollback import STRATEGIES, GatedDeltaRollback
 

@@ -17,7 +17,7 @@ through the target):
 
 No second target forward is ever needed. Greedy drafts are the head's argmax; under
 sampling they are drawn from the head's distribution with the request's sampler
-(``specdec.STREAM_DRAFT`` keys), which is returned as ``q`` for rejection sampling.
+(``specdec.sampling.STREAM_DRAFT`` keys), which is returned as ``q`` for rejection sampling.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Any
 import mlx.core as mx
 import specdec
 from specdec import (
-    AdaptiveDepth,
     BaseDrafter,
     BaseDrafterSession,
     Draft,
@@ -38,6 +37,7 @@ from specdec import (
     RequestContext,
     RoundResult,
 )
+from specdec.depth import AdaptiveDepth
 from specdec.options import Option, Options, non_empty
 
 from .mtp import MTPLoadError, load_mtp, text_model
@@ -85,7 +85,7 @@ class QwenMTPDrafter(BaseDrafter):
     Args:
         mtp_path: the original Hugging Face checkpoint folder (or a ``.safetensors``
             file) holding the ``mtp.*`` weights; ``None``: the target's own model folder
-            (:func:`specdec.model_source`).
+            (:func:`specdec.loading.model_source`).
         depth: drafts per round to start with.
         max_depth: the most drafts per round adaptive depth grows to.
         adaptive: grow and shrink the depth from the acceptance of the last rounds.
@@ -140,7 +140,7 @@ class QwenMTPDrafter(BaseDrafter):
         """
         if self._target is model and self.module is not None:
             return
-        source = self.mtp_path or specdec.model_source(model)
+        source = self.mtp_path or specdec.loading.model_source(model)
         if source is None:
             raise MTPLoadError(
                 f"{NAME}: the target model was not loaded from a local folder, so there is no "

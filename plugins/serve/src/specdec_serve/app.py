@@ -153,7 +153,7 @@ def _params(body: dict, engine: Engine, prompt_len: int) -> dict:
             penalties[name] = v
     bias = body.get("logit_bias")
     if bias:
-        vocab = specdec.model_vocab_size(engine.model)
+        vocab = specdec.heads.model_vocab_size(engine.model)
         try:
             penalties["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
         except (AttributeError, TypeError, ValueError) as exc:
@@ -390,7 +390,7 @@ class Server:
                     param="prompt",
                     code="invalid_value",
                 )
-        vocab = specdec.model_vocab_size(self.engine.model)
+        vocab = specdec.heads.model_vocab_size(self.engine.model)
         if vocab is not None and any(t < 0 or t >= vocab for t in ids):
             raise APIError(
                 f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value"

@@ -266,7 +266,7 @@ class Engine:
         self.unbatched: dict[str, str] = {}
         for name in self.policy_specs:  # and says whether it can batch
             self._batch(name)
-        source = specdec.model_source(self.model)
+        source = specdec.loading.model_source(self.model)
         self.model_path = str(source) if source is not None else str(model)
         self.model_name = model_name or os.path.basename(os.path.normpath(self.model_path))
         args = getattr(self.model, "args", None)
@@ -283,7 +283,7 @@ class Engine:
 
     def policy_names(self) -> list[str]:
         """What a request may name: the server's policies, then the presets."""
-        return list(dict.fromkeys([*self.policy_specs, *specdec.PRESETS]))
+        return list(dict.fromkeys([*self.policy_specs, *specdec.presets.PRESETS]))
 
     def resolve_policy(self, name: str | None) -> str:
         """The policy a request names (``None``: the server's default).
@@ -293,7 +293,7 @@ class Engine:
         """
         if name is None:
             return self.default_policy
-        if name in self.policy_specs or name in specdec.PRESETS:
+        if name in self.policy_specs or name in specdec.presets.PRESETS:
             return name
         raise specdec.PolicyError(
             f"unknown policy {name!r}: this server offers {', '.join(self.policy_names())}"

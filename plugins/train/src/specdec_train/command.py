@@ -13,8 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-from specdec import Progress, SpecdecError, assemble, model_vocab_size
+from specdec import SpecdecError, assemble
 from specdec.checkpoints import target_identity, text_model
+from specdec.heads import model_vocab_size
+from specdec.progress import Progress
 
 from .loop import LOSSES, train_head
 from .recording import TargetOutput, batch_answers

@@ -37,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from specdec import model_taps
+from specdec.capture import model_taps
 
 from .recording import Recorded, TargetOutput, record
 

@@ -9,8 +9,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from specdec import ModelLoadError, model_taps, model_vocab_size, output_layer
+from specdec import ModelLoadError
+from specdec.capture import model_taps
 from specdec.checkpoints import text_model
+from specdec.heads import model_vocab_size, output_layer
 
 
 class Recorded:
@@ -91,7 +93,7 @@ def target_hidden(model: Any, tokens: Sequence[int]) -> mx.array:
 
 class TargetOutput:
     """The target's output path as ``logits = h @ W.T + b`` (``W``: ``[V, H]``), read
-    through :func:`specdec.output_layer`: the layer's rows, dequantized, with a logit
+    through :func:`specdec.heads.output_layer`: the layer's rows, dequantized, with a logit
     scale folded in.
 
     :attr:`affine` says whether the path really is affine (nothing but a scale after
