@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import specdec
 from specdec import BaseDrafter, BaseDrafterSession, Draft, RequestContext
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 class RepeatDrafter(BaseDrafter):

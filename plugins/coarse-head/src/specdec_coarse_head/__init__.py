@@ -18,6 +18,6 @@ from __future__ import annotations
 
 from .head import DEFAULTS, KINDS, CoarseHead, create_coarse_head
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["DEFAULTS", "KINDS", "CoarseHead", "create_coarse_head"]

@@ -18,7 +18,7 @@ from .governor import (
     create_copy_governor,
 )
 
-__version__ = "0.3.2"
+__version__ = "0.4.0"
 
 __all__ = [
     "DEFAULTS",
