@@ -150,9 +150,9 @@ class Gemma4MTPDrafter(BaseDrafter):
                 f"{sampled_drafts!r}"
             )
         self.sampled_drafts = sampled_drafts
-        self.module = None
-        self.config = None
-        self.binding = None
+        self.module: Any = None  # these three are set in attach
+        self.config: Any = None
+        self.binding: Any = None
         self.info: dict = {}
 
     def attach(self, model: Any, tokenizer: Any) -> None:
@@ -333,4 +333,4 @@ def create_gemma4_mtp(**options: Any) -> Gemma4MTPDrafter:
     return Gemma4MTPDrafter(**options)
 
 
-create_gemma4_mtp.needs = Gemma4MTPDrafter.needs  # read by assemble before building
+create_gemma4_mtp.needs = Gemma4MTPDrafter.needs  # type: ignore[attr-defined]  # read by assemble before building

@@ -148,7 +148,7 @@ class QwenMTPDrafter(BaseDrafter):
                 f"{NAME}: option sampled_drafts must be 'sample' or 'greedy', got {sampled_drafts!r}"
             )
         self.sampled_drafts = sampled_drafts
-        self.module = None
+        self.module: Any = None  # loaded in attach
         self.info: dict = {}
         self._target = None
 
@@ -337,4 +337,4 @@ def create_qwen_mtp(**options: Any) -> QwenMTPDrafter:
     return QwenMTPDrafter(**options)
 
 
-create_qwen_mtp.needs = QwenMTPDrafter.needs  # read by assemble before building
+create_qwen_mtp.needs = QwenMTPDrafter.needs  # type: ignore[attr-defined]  # read by assemble before building
