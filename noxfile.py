@@ -405,8 +405,9 @@ def lint(session: nox.Session) -> None:
     mlx-lm and its dependencies).
     """
     # mypy reads the source folders, but resolves what they import (attrs, numpy, mlx's
-    # stubs, ...) in this environment: install the code as the tests session does.
-    args = ["-e", "."]
+    # stubs, pytest for specdec.testing, ...) in this environment: install the code as
+    # the tests session does.
+    args = ["-e", f".[{CORE_EXTRAS}]"]
     for p in _plugin_dirs():
         args += ["-e", _rel(p)]
     session.install("ruff", "mypy", *args)
