@@ -230,7 +230,7 @@ def model_fingerprint(model: Any, verifier: Any = None) -> str:
     layers = optional(verifier, "verifier", "layers")
     h.update(repr(tuple(layers) if layers else ()).encode())
     h.update(str(mx.default_device()).encode())
-    h.update(mx.__version__.encode())
+    h.update(mx.__version__.encode())  # type: ignore[attr-defined]  # not in mlx's stubs
     h.update(platform.machine().encode())
     h.update(str(os.cpu_count()).encode())
     if attention_status().enabled:  # verify forwards cost less with the CPU's replica

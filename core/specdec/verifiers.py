@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .capture import model_taps
+from .capture import ModelTaps, model_taps
 from .errors import PolicyError
 from .roles import BaseVerifier, VerifyResult
 
@@ -69,7 +69,7 @@ class HiddenStateVerifier(BaseVerifier):
                 f"verifier 'hidden': option project must be 'all' or 'rows', got {project!r}"
             )
         self.project = project
-        self._taps = None
+        self._taps: ModelTaps | None = None
 
     def bind(self, model: Any, *, layers: Sequence[int] = ()) -> None:
         """Install the taps on ``model`` and check the layer indices.

@@ -36,7 +36,6 @@ prelude's output there, never the output of an earlier measured run.
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -548,8 +547,9 @@ def _run_mlx_lm(
 def _draft_model_pair(pipe: Pipeline, policy: Policy) -> tuple[Any, int] | None:
     """The ``draft_model`` drafter's model object and the tokens it drafts per round.
 
-    ``None`` when the policy does not use that drafter. The model is the one the
-    pipeline's drafter holds (so mlx-lm runs the very same weights); the count is
+    ``None`` when the policy does not use that drafter or the pipeline holds no
+    ``draft_model`` drafter with a model. The model is the one the pipeline's drafter
+    holds (so mlx-lm runs the very same weights); the count is
     the drafter's option ``num_draft_tokens`` (default
     :data:`DRAFT_MODEL_DEFAULT_TOKENS`) capped by the policy's ``max_block``, as the
     loop caps every round.
@@ -564,12 +564,6 @@ def _draft_model_pair(pipe: Pipeline, policy: Policy) -> tuple[Any, int] | None:
         if getattr(d, "name", None) == "draft_model":
             draft = getattr(d, "model", None)
             break
-    if draft is None:
-        draft = opts.get("model")
-        if isinstance(draft, (str, os.PathLike)):
-            from ..drafters.draft_model import _load
-
-            draft = _load(os.fspath(draft))[0]
     if draft is None:
         return None
     return draft, n
@@ -840,8 +834,8 @@ def run_bench(
                             res.divergences.append({"kind": "on", "run": i, **d})
             faith = None
             if score_faithfulness and off:
-                ref = off[0]
-                faith = w.faithfulness(ref.text, complete=ref.finish_reason == "stop")
+                first = off[0]
+                faith = w.faithfulness(first.text, complete=first.finish_reason == "stop")
             for res in per_kind.values():
                 res.faithfulness = faith
                 results.append(res)

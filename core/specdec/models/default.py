@@ -23,6 +23,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from ..errors import ModelLoadError
 from ..paths import CACHE_ENV, cache_dir
@@ -152,7 +153,7 @@ class _Lock:
 
     def __init__(self, path: Path):
         self.path = path
-        self.fh = None
+        self.fh: IO[str] | None = None
 
     def __enter__(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -556,16 +556,16 @@ def _build_bpe(meta: Mapping[str, Any], path: Path | str):
         ignore_merges=pre in _IGNORE_MERGES,
         byte_fallback=False,
     )
-    tok = Tokenizer(model)
+    tokenizer = Tokenizer(model)
     splits = [
         pre_tokenizers.Split(Regex(rx), behavior="isolated", invert=False)
         for rx in PRE_TOKENIZER_REGEXES[pre]
     ]
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
-    tok.decoder = decoders.ByteLevel()
-    return tok
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
 
 
 def _spm_merges(tokens: list[str], scores: list[float], types: list[int] | None):

@@ -126,9 +126,9 @@ class Gemma4MTPDrafter(BaseDrafter):
         self.position = o.position
         self.centroids = o.centroids
         self.sampled_drafts = o.sampled_drafts
-        self.module = None
-        self.config = None
-        self.binding = None
+        self.module: Any = None
+        self.config: Any = None
+        self.binding: Any = None
         self.info: dict = {}
 
     def attach(self, model: Any, tokenizer: Any) -> None:

@@ -127,7 +127,7 @@ class QwenMTPDrafter(BaseDrafter):
         self.head = o.head
         self.norm_shift = o.norm_shift
         self.sampled_drafts = o.sampled_drafts
-        self.module = None
+        self.module: Any = None
         self.info: dict = {}
         self._target = None
 

@@ -90,7 +90,7 @@ class Segment:
         self.before = list(cache.cache)
         self.n = int(inputs.shape[1])
         self.strategy = strategy
-        self.conv_input = None
+        self.conv_input: mx.array | None = None
         self.state_in = None
         self.states: list | None = None
         self.tape: tuple | None = None
@@ -156,7 +156,7 @@ def _wrap_call(original: Any) -> Any:
         txn.segments.append(seg)
         return out
 
-    __call__._specdec_gdn_original = original
+    __call__._specdec_gdn_original = original  # type: ignore[attr-defined]
     return __call__
 
 
@@ -244,7 +244,7 @@ def _wrap_leaf(kind: str, original: Any) -> Any:
         seg.states = states
         return y, final
 
-    leaf._specdec_gdn_original = original
+    leaf._specdec_gdn_original = original  # type: ignore[attr-defined]
     return leaf
 
 

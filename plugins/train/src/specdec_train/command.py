@@ -328,7 +328,7 @@ def _make_data(
     for a in range(args.answers):
         temp = 0.0 if a == 0 else args.sample_temp
         bar.start(f"answer {a + 1} of {args.answers}" + (f" (temp {temp})" if temp else ""))
-        got = batch_answers(
+        batched = batch_answers(
             pipe.model,
             prompts,
             max_tokens=args.continue_tokens,
@@ -339,8 +339,10 @@ def _make_data(
             kv_layers=kv_layers,
             on_batch=bar.advance,
         )
-        if got is not None:
-            got, recorded = got
+        got: list[list[int]]
+        recorded: list[Any]
+        if batched is not None:
+            got, recorded = batched
         else:  # sliding-window or linear-attention caches: one prompt at a time
             got, recorded = [], [None] * len(prompts)
             for p in prompts:
