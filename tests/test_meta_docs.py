@@ -222,7 +222,7 @@ def test_example_plugin_entry_point():
     project = tomllib.loads(_read(EXAMPLE / "pyproject.toml"))["project"]
     assert project["name"] == "specdec-example-drafter"
     assert project["entry-points"]["specdec"] == {"example_repeat": "specdec_example_drafter"}
-    assert "specdec-core>=0.2,<0.3" in project["dependencies"]
+    assert "specdec-core>=0.3,<0.4" in project["dependencies"]
 
 
 LINK = re.compile(r"\]\((?!https?://|#|mailto:)([^)#\s]+)(#[^)]*)?\)")
