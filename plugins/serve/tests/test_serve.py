@@ -245,7 +245,7 @@ def test_an_error_inside_a_round_fails_that_request_only(server, client, monkeyp
     real = batch._accept
 
     def broken(row, rnd, logits):
-        if row.max_tokens == 7 and row.n_out >= 2:
+        if row.request.max_tokens == 7 and row.emitter.n_out >= 2:
             raise RuntimeError("injected failure")
         return real(row, rnd, logits)
 
