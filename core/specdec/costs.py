@@ -50,6 +50,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from .blas import active_blas_library
 from .heads import model_vocab_size
 from .paths import cache_dir
 from .progress import Progress
@@ -208,8 +209,10 @@ def _max_positions(model: Any) -> int | None:
 
 def model_fingerprint(model: Any, verifier: Any = None) -> str:
     """A key for what the cost of a forward depends on: parameter shapes and dtypes,
-    the model's config, the verifier, the device, the MLX version, the machine and
-    whether verify forwards use the CPU's attention replica (:mod:`specdec.attention`)."""
+    the model's config, the verifier, the device, the MLX version, the machine, the BLAS
+    MLX's CPU matmuls call (a curve profiled with the reference BLAS priced every wide
+    verify about k times a step) and whether verify forwards use the CPU's attention
+    replica (:mod:`specdec.attention`)."""
     from mlx.utils import tree_flatten
 
     from .attention import MAX_SCORES
@@ -233,6 +236,8 @@ def model_fingerprint(model: Any, verifier: Any = None) -> str:
     h.update(mx.__version__.encode())  # type: ignore[attr-defined]  # not in mlx's stubs
     h.update(platform.machine().encode())
     h.update(str(os.cpu_count()).encode())
+    if mx.default_device().type == mx.DeviceType.cpu:
+        h.update(f"blas={os.path.basename(active_blas_library() or '?')}".encode())
     if attention_status().enabled:  # verify forwards cost less with the CPU's replica
         # (and its size rule: a curve profiled under another one priced other forwards)
         h.update(f"attention=replica;max_scores={MAX_SCORES};sliced".encode())
