@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import math
 import os
 import random
 import shutil
+import subprocess
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NoReturn
@@ -621,6 +623,33 @@ def check_fewer_forwards(
 def plain_greedy(model: Any, prompt_tokens: Sequence[int], n: int) -> list[int]:
     """Plain greedy continuation of ``prompt_tokens`` (``n`` tokens) through the ``none`` policy."""
     return _plain(model).generate(list(prompt_tokens), max_tokens=n, temperature=0.0).tokens
+
+
+def greedy_sequences(
+    model: Any, n: int = 6, length: int = 56, *, seed: int = 0, prompt_len: int = 8, vocab: int = 64
+) -> list[list[int]]:
+    """``n`` training-style sequences: a random prompt of ``prompt_len`` ids below
+    ``vocab``, then the model's own greedy continuation of ``length`` tokens (what a
+    head trained for seconds on a tiny model learns to draft)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = [rng.randrange(vocab) for _ in range(prompt_len)]
+        out.append(p + plain_greedy(model, p, length))
+    return out
+
+
+def check_listed(distribution: str, components: dict[str, list[str]]) -> None:
+    """Assert that ``specdec plugins --json`` (the console command) lists ``distribution``
+    with exactly ``components`` (``{role: [names]}``); skips in a source tree without the
+    command or the distribution installed, fails under CI."""
+    require_installed(distribution)
+    exe = require_command("specdec")
+    out = subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plugins = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
+    assert distribution in plugins, sorted(plugins)
+    assert plugins[distribution]["components"] == components, plugins[distribution]
 
 
 def copy_heavy_prompt(model: Any, seed_tokens: Sequence[int], n: int = 24) -> list[int]:

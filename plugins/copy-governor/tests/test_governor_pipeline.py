@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 import specdec
 from specdec.testing import (
     check_greedy_identity,
+    check_listed,
     make_tiny_model,
     plugin_host,
-    require_command,
     require_installed,
 )
 
@@ -68,13 +65,7 @@ def test_installed_through_entry_point():
 
 
 def test_listed_by_specdec_plugins():
-    require_installed("specdec-plugin-copy-governor")
-    exe = require_command("specdec")
-    out = subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    plugins = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
-    assert "specdec-plugin-copy-governor" in plugins, sorted(plugins)
-    assert plugins["specdec-plugin-copy-governor"]["components"] == {"governor": ["copy_governor"]}
+    check_listed("specdec-plugin-copy-governor", {"governor": ["copy_governor"]})
 
 
 def test_options_reach_the_governor_and_unknown_ones_fail(model, reference):

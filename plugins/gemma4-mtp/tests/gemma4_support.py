@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import random
-
 import specdec
-from specdec.testing import make_tiny_model, plain_greedy
+from specdec.testing import make_tiny_model
 
 #: Tiny targets: Gemma 4 text (sliding window 8 that wraps within a test, two KV-shared
 #: layers, per-layer inputs, soft-capped logits), its K-eq-V variant (full-attention
@@ -32,16 +30,6 @@ ASSISTANTS = {
 def target(name: str):
     arch, kw = TARGETS[name]
     return make_tiny_model(arch, **kw)
-
-
-def sequences(model, n=6, length=56, seed=0):
-    """Random prompts of 8 tokens, each with the model's own greedy continuation."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        p = [rng.randrange(64) for _ in range(8)]
-        out.append(p + plain_greedy(model, p, length))
-    return out
 
 
 def policy(folder, preset: str = "gemma4", **options):

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import functools
-import json
 import random
-import subprocess
 
 import pytest
 import specdec
@@ -13,9 +11,9 @@ from specdec.testing import (
     check_caches_match_plain,
     check_fewer_forwards,
     check_greedy_identity,
+    check_listed,
     check_sampled_distribution,
     make_tiny_model,
-    require_command,
     require_installed,
 )
 
@@ -89,13 +87,7 @@ def test_installed_through_entry_point():
 
 
 def test_listed_by_specdec_plugins():
-    require_installed("specdec-plugin-ngram")
-    exe = require_command("specdec")
-    out = subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    plugins = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
-    assert "specdec-plugin-ngram" in plugins, sorted(plugins)
-    assert plugins["specdec-plugin-ngram"]["components"] == {"drafter": ["ngram_copy"]}
+    check_listed("specdec-plugin-ngram", {"drafter": ["ngram_copy"]})
 
 
 def test_policy_options_reach_the_drafter():

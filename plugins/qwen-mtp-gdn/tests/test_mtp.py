@@ -4,7 +4,6 @@ exactness (greedy identity, sampled distribution), composition with ngram_copy, 
 from __future__ import annotations
 
 import json
-import random
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +18,7 @@ from specdec.testing import (
     check_sampled_identity,
     plain_greedy,
 )
+from specdec.testing import greedy_sequences as sequences
 from specdec_qwen_mtp_gdn.checkpoint import save_hf_checkpoint
 from specdec_qwen_mtp_gdn.mtp import MTPLoadError, QwenMTP, load_mtp
 from specdec_qwen_mtp_gdn.mtp_drafter import (
@@ -42,15 +42,6 @@ KINDS = {"qwen3_next": MOE, "qwen3_5": {}, "qwen3_5_moe": {}}
 
 def tiny(arch):
     return make_tiny_hybrid(arch, mixing=0.2, seed=0, **KINDS[arch])
-
-
-def sequences(model, n=6, length=56, seed=0):
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        p = [rng.randrange(64) for _ in range(8)]
-        out.append(p + plain_greedy(model, p, length))
-    return out
 
 
 @pytest.fixture(scope="module")
