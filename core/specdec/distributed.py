@@ -53,6 +53,7 @@ import numpy as np
 from .coordinate import Coordinator
 from .errors import DistributedError, ModelLoadError
 from .roles import optional
+from .round import settle
 
 __all__ = [
     "DistributedError",
@@ -633,8 +634,7 @@ class RankSync:
         st.rounds += 1
         st.round_closed = False
         rec = self._record(st, ROUND, history)
-        block = rnd.block if isinstance(rnd.block, tuple) else tuple(rnd.block.tolist())
-        rnd.block = block
+        block = settle(rnd)  # the block becomes a tuple here, before the exchange
         # never raise before the exchange (the other ranks would wait in it): the
         # pipeline caps blocks at max_block already
         k = min(len(block), self.max_block) if rnd.chosen is not None else 0
