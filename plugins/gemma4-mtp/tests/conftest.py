@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import specdec
 import specdec.checkpoints
-from gemma4_support import ASSISTANTS, TARGETS, sequences, target
+from gemma4_support import ASSISTANTS, TARGETS, target
+from specdec.testing import greedy_sequences
 from specdec_gemma4_mtp import new_assistant, save_assistant, train_assistant
 
 
@@ -21,7 +22,7 @@ def trained(tmp_path_factory):
         key = (name, kind)
         if key not in cache:
             model = target(name)
-            seqs = sequences(model)
+            seqs = greedy_sequences(model)
             opts = dict(ASSISTANTS[kind])
             if TARGETS[name][0] == "llama":
                 opts["layers"] = ["full_attention"]
