@@ -294,7 +294,9 @@ def test_rank0_block_is_verified_when_a_rank_proposes_another(ranks):
 def test_failure_on_one_rank_ends_the_request_on_both(ranks):
     for name, what in (("drafter-fails", "drafter"), ("acceptor-fails", "acceptor")):
         a, b = _case(ranks, name)
-        assert b["error_type"] == "RuntimeError" and f"injected {what} failure" in b["error"]
+        # the failing rank names the component (a specdec.ComponentError, a RuntimeError)
+        assert b["error_type"] == "ComponentError" and f"injected {what} failure" in b["error"]
+        assert f"{what} '" in b["error"] and "in round 3" in b["error"], b["error"]
         assert a["error_type"] == "DistributedError", (name, a["error"])
         # both fail in their third call: the third round
         assert "rank 1 failed at round 3:" in a["error"], a["error"]

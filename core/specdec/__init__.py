@@ -61,7 +61,9 @@ from . import (
 from .assembly import assemble
 from .batch import Batch, BatchEvent
 from .errors import (
+    ComponentError,
     DistributedError,
+    DraftError,
     ModelLoadError,
     PluginConflictError,
     PolicyError,
@@ -141,7 +143,9 @@ __all__ = [
     "hookimpl",
     "rollback_plan",
     # errors
+    "ComponentError",
     "DistributedError",
+    "DraftError",
     "ModelLoadError",
     "PluginConflictError",
     "PolicyError",

@@ -388,7 +388,7 @@ class Batch:
         try:
             phases.plan(state, policy, rnd)
             phases.count_block(state.stats, rnd)
-            phases.settle(rnd)
+            phases.settle(rnd, state)
             phases.choose_acceptor(policy, state.sampler, rnd)
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             failed[i] = exc
@@ -409,8 +409,9 @@ class Batch:
         return [BatchEvent(m.rid, error=failed.get(i, exc)) for i, m in enumerate(gone)]
 
     def _accept(self, state: RequestState, rnd: Round, logits: mx.array) -> RoundResult:
+        phases.check_q(state, rnd)
         rnd.logits = phases.process(logits, state.history, rnd.block, state.processors)
-        acc = phases.accept(self.pipeline.acceptors, rnd, state.sampler)
+        acc = phases.accept(self.pipeline.acceptors, rnd, state.sampler, state)
         return phases.result(state, rnd, acc.n_accepted, acc.token)
 
 

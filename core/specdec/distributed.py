@@ -822,6 +822,9 @@ class RankCoordinator(Coordinator):
         mx.eval(self.model(mx.array([list(tokens)])))
 
     def round(self, state: Any, rnd: Any) -> None:
+        # A lazy block is read back and its ids checked here, where a bad draft fails as
+        # a drafter that raised in propose does (before the exchange).
+        settle(rnd, state)
         self.ranks.round(self.sync, state.history, rnd)
 
     def built(self, out: Any) -> None:

@@ -30,3 +30,46 @@ class ModelLoadError(SpecdecError, ValueError):
 class DistributedError(SpecdecError, RuntimeError):
     """The ranks of a sharded model disagreed, or one of them failed: the request ended
     on every rank."""
+
+
+class ComponentError(SpecdecError, RuntimeError):
+    """A component (drafter, governor, acceptor, rollback, verifier, draft head) raised or
+    broke its contract during a request.
+
+    The message names the component (its role, name, distribution and version), the
+    request's round and position and what was wrong; an exception the component raised
+    is the ``__cause__``. The request ends with this error; the caches are restored and
+    the pipeline serves the next request (a batch: that row alone ends).
+
+    Attributes:
+        role: ``"drafter"``, ``"governor"``, ``"acceptor"``, ``"rollback"``, ...
+        component: the component's name in the policy.
+        distribution: the distribution that registered it, with its version.
+        round: the request's round (1 = the first round after the prefill; 0 = while
+            opening or prefilling the request).
+        position: the absolute position of the round's first token (``None`` outside a
+            round).
+        call: the method that raised or whose result was wrong (``"propose"``, ...).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        role: str = "",
+        component: str = "",
+        distribution: str = "",
+        round: int = 0,
+        position: int | None = None,
+        call: str = "",
+    ):
+        super().__init__(message)
+        self.role, self.component, self.distribution = role, component, distribution
+        self.round, self.position, self.call = round, position, call
+
+
+class DraftError(ComponentError, ValueError):
+    """A drafter proposed a block that breaks the :class:`specdec.Draft` contract: a token
+    id outside ``[0, vocab_size)`` or not an integer, a block longer than the length it
+    was offered, or draft probabilities ``q`` of the wrong shape, not finite, negative,
+    or zero at a drafted token."""

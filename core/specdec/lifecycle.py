@@ -14,8 +14,10 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import guard
 from .attention import verify_attention
 from .emit import Emitter
+from .errors import ComponentError, SpecdecError
 from .request import Request
 from .roles import PrefillChunk, RequestContext, VerifyResult, optional
 from .rollback import RollbackPlan, build_plan
@@ -40,6 +42,7 @@ class RequestState:
         emitter: its output side (made by :func:`open_request`).
         sessions: ``[(drafter name, session)]`` in policy order (empty: plain decoding).
         governor: the governor's session, or ``None``.
+        governor_name: the governor's name in the policy.
         cost: the cost model in use, or ``None``.
         row: its id in a batch (0 alone).
         t_start: when decoding started.
@@ -47,6 +50,9 @@ class RequestState:
             left out of the round times the cost model learns from.
         prefill_forwards: prefill forwards run.
         history_array: the history as an ``mx.array`` (kept only while processors need it).
+        host: the plugin host (names components in errors).
+        heads: the draft heads by drafter name.
+        vocab_size: the target's vocabulary size (draft ids are checked against it).
     """
 
     request: Request
@@ -59,12 +65,16 @@ class RequestState:
     emitter: Any = None
     sessions: list = attrs.field(factory=list)
     governor: Any = None
+    governor_name: str | None = None
     cost: Any = None
     row: int = 0
     t_start: float = 0.0
     away_s: float = 0.0
     prefill_forwards: int = 0
     history_array: Any = None
+    host: Any = None
+    heads: dict = attrs.field(factory=dict)
+    vocab_size: int = 0
 
 
 def new_state(pipe: Any, request: Request, ids: list[int]) -> RequestState:
@@ -77,6 +87,9 @@ def new_state(pipe: Any, request: Request, ids: list[int]) -> RequestState:
         stats=Stats(policy=pipe.policy.name, prompt_tokens=len(ids), verifier=pipe.verifier.name),
         processors=request.processors(),
         stop_ids=request.stop_ids(pipe.tokenizer),
+        host=pipe.host,
+        heads=pipe.heads,
+        vocab_size=pipe.vocab_size,
     )
 
 
@@ -132,11 +145,21 @@ def open_request(
         ctx = RequestContext(
             **common, options=policy.options_for(d.name), head=pipe.heads.get(d.name)
         )
-        state.sessions.append((d.name, d.session(ctx)))
+        try:
+            session = d.session(ctx)
+        except Exception as exc:
+            raise guard.component_error(state, "drafter", d.name, "session", exc, None) from exc
+        state.sessions.append((d.name, session))
         stats.per_drafter[d.name] = {"rounds": 0, "drafted": 0, "accepted": 0}
     if pipe.governor is not None and drafters:
         ctx = RequestContext(**common, options=policy.options_for(policy.governor))
-        state.governor = pipe.governor.session(ctx)
+        state.governor_name = policy.governor
+        try:
+            state.governor = pipe.governor.session(ctx)
+        except Exception as exc:
+            raise guard.component_error(
+                state, "governor", policy.governor, "session", exc, None
+            ) from exc
     return plan
 
 
@@ -182,7 +205,21 @@ def verify(pipe: Any, tokens: mx.array, caches: list) -> VerifyResult:
     """The verifier's forward over ``tokens``, with the CPU's verify attention
     (:mod:`specdec.attention`: MLX's own result, bit for bit, in less time)."""
     with verify_attention():
-        return pipe.verifier.verify(pipe.model, tokens, caches)
+        try:
+            return pipe.verifier.verify(pipe.model, tokens, caches)
+        except Exception as exc:
+            if isinstance(exc, SpecdecError):
+                raise
+            info = pipe.host.components["verifier"].get(pipe.verifier.name)
+            where = "" if info is None else f" ({info.distribution} {info.version})"
+            raise ComponentError(
+                f"verifier {pipe.verifier.name!r}{where} raised in verify(): "
+                f"{type(exc).__name__}: {exc}",
+                role="verifier",
+                component=pipe.verifier.name,
+                distribution=where.strip(" ()"),
+                call="verify",
+            ) from exc
 
 
 def prefill(pipe: Any, state: RequestState, coord: Any) -> None:
@@ -194,7 +231,9 @@ def prefill(pipe: Any, state: RequestState, coord: Any) -> None:
     t0 = time.perf_counter()
     prompt, caches, step = state.history, state.caches, state.request.prefill_step_size
     listeners = [
-        fn for _, s in state.sessions if callable(fn := optional(s, "drafter_session", "prefill"))
+        (name, fn)
+        for name, s in state.sessions
+        if callable(fn := optional(s, "drafter_session", "prefill"))
     ]
     failed: BaseException | None = None
     for start in range(0, len(prompt) - 1, step):
@@ -208,8 +247,13 @@ def prefill(pipe: Any, state: RequestState, coord: Any) -> None:
             vr = verify(pipe, mx.array(chunk), caches)
             if listeners:
                 record = PrefillChunk(tokens=tuple(chunk), start_position=start, result=vr)
-                for listen in listeners:
-                    listen(record)
+                for name, listen in listeners:
+                    try:
+                        listen(record)
+                    except Exception as exc:
+                        raise guard.component_error(
+                            state, "drafter", name, "prefill", exc, None
+                        ) from exc
             # The chunk's logits are never read: only the caches are evaluated.
             mx.eval([c.state for c in caches])
         except Exception as exc:

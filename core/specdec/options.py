@@ -25,6 +25,9 @@ helpers (:func:`int_option`, :func:`fraction_option`, :func:`bool_option`,
 
 from __future__ import annotations
 
+import inspect
+import types
+import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -38,6 +41,7 @@ __all__ = [
     "Options",
     "Values",
     "bool_option",
+    "check_signature",
     "fraction_option",
     "int_option",
     "non_empty",
@@ -100,7 +104,7 @@ class Option:
         elif float in kinds:
             noun = "a number"
         else:
-            noun = "a " + " or ".join(k.__name__ for k in kinds)
+            noun = "a " + " or ".join("string" if k is str else k.__name__ for k in kinds)
         lo, hi = self.minimum, self.maximum
         if lo is not None and hi is not None:
             left = "(" if self.exclusive_minimum else "["
@@ -289,3 +293,45 @@ def parse_value(text: str) -> Any:
         except ValueError:
             pass
     return text.strip()
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _parameter_kinds(p: inspect.Parameter) -> tuple[tuple[type, ...], bool] | None:
+    """The scalar types a parameter takes and whether it takes ``None``, from its
+    annotation (``int``, ``float | None``, ...) or else its default's type; ``None`` when
+    neither says (no annotation and no scalar default, or a non-scalar annotation)."""
+    ann = p.annotation
+    if ann is not p.empty and not isinstance(ann, str):
+        args = typing.get_args(ann) if typing.get_origin(ann) in _UNIONS else (ann,)
+        if all(a in _SCALARS or a is type(None) for a in args):
+            kinds = tuple(a for a in args if a is not type(None))
+            return (kinds, len(kinds) < len(args) or p.default is None) if kinds else None
+        return None
+    if p.default is not p.empty and type(p.default) in _SCALARS:
+        return (type(p.default),), False
+    return None
+
+
+_UNIONS = (typing.Union, types.UnionType)
+
+
+def check_signature(component: str, sig: inspect.Signature, options: Mapping[str, Any]) -> None:
+    """Options given to a component that declares none (its factory takes them as keyword
+    parameters) checked against each parameter's annotation, or else its default's type
+    (``max_len: int = 8`` or ``max_len=8``: an integer; ``ratio=0.5``: a number). Values of
+    parameters with neither pass unchecked.
+
+    Raises:
+        PolicyError: ``"<component>: option max_len must be an integer, got '8'"``.
+    """
+    for name, value in options.items():
+        p = sig.parameters.get(name)
+        found = None if p is None else _parameter_kinds(p)
+        if found is None:
+            continue
+        kinds, takes_none = found
+        if value is None and takes_none:
+            continue
+        Option(name, kinds, default=0).parse(component, value)

@@ -51,6 +51,8 @@ class Pipeline:
         self.policy = policy
         self.host = host or get_plugin_host()
         self.drafters = self._make_drafters()
+        #: the target's vocabulary size: every drafted id is checked to be below it.
+        self.vocab_size = self._vocab_size()
         self.governor = self._make_governor()
         self.verifier = self._make_verifier()
         #: how the model is split across the ranks of a distributed job (``None``: it is not).
@@ -112,6 +114,16 @@ class Pipeline:
                 )
             check_needs(h, policy, d.name, optional(d, "drafter", "needs"))
         return drafters
+
+    def _vocab_size(self) -> int:
+        v = model_vocab_size(self.model)
+        if v is None and self.drafters:
+            raise PolicyError(
+                f"cannot tell the vocabulary size of {type(self.model).__name__} (no "
+                "args.vocab_size, no model.embed_tokens), which drafts are checked against: "
+                "give the model an args.vocab_size"
+            )
+        return v or 0
 
     def _make_governor(self) -> Any:
         policy = self.policy

@@ -37,6 +37,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginConflictError, UnknownComponentError
+from .options import check_signature
 from .roles import CAPABILITIES, OPTIONAL_MEMBERS, REGISTRATION_METADATA, ROLES
 from .rollback import RollbackPlan, build_plan
 
@@ -391,7 +392,12 @@ class PluginHost:
         # Only a signature mismatch is "bad options"; a TypeError raised inside the
         # factory is a bug in the component and propagates as it is.
         try:
-            sig = inspect.signature(info.factory)
+            sig = inspect.signature(info.factory, eval_str=True)
+        except Exception:  # noqa: BLE001 - an annotation that cannot be evaluated here
+            try:
+                sig = inspect.signature(info.factory)
+            except (TypeError, ValueError):
+                sig = None
         except (TypeError, ValueError):  # builtins without a signature: call and see
             sig = None
         if sig is not None:
@@ -407,6 +413,10 @@ class PluginHost:
                     f"bad options for {role} {name!r} ({info.distribution}): {exc}; "
                     f"got {sorted(options)}, accepted options are {params}"
                 ) from exc
+            # A component that takes its options as keyword parameters declares their
+            # types by annotation or default: a value of another type fails here, not
+            # inside the first propose.
+            check_signature(f"{role} {name!r} ({info.distribution})", sig, options)
         return info.factory(**options)
 
     def draft_head(self, name: str, options: dict | None, model: Any, tokenizer: Any = None) -> Any:

@@ -31,6 +31,7 @@ first round.
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -58,7 +59,25 @@ def _tokens(t: Any) -> Any:
     # forward unevaluated and reads it back once, with the target's logits.
     if type(t).__name__ == "array" and type(t).__module__.startswith("mlx"):
         return t.reshape(-1)
-    return tuple(int(x) for x in t)
+    return tuple(_token_id(x) for x in t)
+
+
+def _token_id(x: Any) -> int:
+    # An int, or an integer scalar (numpy, a 0-d mx.array of an integer type); never a
+    # float, string or bool, which int() would quietly turn into some other token.
+    if type(x) is int:
+        return x
+    if isinstance(x, bool) or isinstance(x, (str, bytes, float)):
+        raise TypeError(f"a draft token id must be an integer, got {x!r} ({type(x).__name__})")
+    try:
+        return operator.index(x)
+    except TypeError:
+        dtype = str(getattr(x, "dtype", ""))
+        if "int" in dtype and getattr(x, "size", 0) == 1:
+            return int(x)
+        raise TypeError(
+            f"a draft token id must be an integer, got {x!r} ({type(x).__name__})"
+        ) from None
 
 
 @attrs.frozen

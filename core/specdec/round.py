@@ -7,7 +7,7 @@ The single-request driver (:mod:`specdec.single`) and the batch driver
 - :func:`plan`: the governor's budget, the drafter sessions in policy order, shadow
   proposals; fills a :class:`Round`'s block.
 - :func:`settle`: the block becomes a tuple of ints (the one named point where a lazy
-  block is read back).
+  block is read back; its ids are checked there), :func:`check_q`: its ``q`` checked.
 - :func:`count_block`: the block-size histogram (after the coordinator agreed on it).
 - :func:`choose_acceptor`, :func:`process`, :func:`accept`: logits processors, the
   acceptor and its bounds check.
@@ -25,13 +25,16 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from . import guard
 from .acceptors import auto_acceptor
+from .errors import ComponentError
 from .roles import Acceptance, RoundResult, VerifyResult, optional
 
 __all__ = [
     "Round",
     "RoundKind",
     "accept",
+    "check_q",
     "choose_acceptor",
     "count_block",
     "observe",
@@ -112,15 +115,20 @@ def is_lazy(block: Any) -> bool:
     return not isinstance(block, tuple)
 
 
-def settle(rnd: Round) -> tuple:
+def settle(rnd: Round, state: Any = None) -> tuple:
     """The block as a tuple of ints (reading a lazy block back: the one host sync of the
-    drafter's output), recorded as the winner's proposal too."""
+    drafter's output), recorded as the winner's proposal too. With the request's
+    ``state``, the ids read back are checked to be in the vocabulary.
+
+    Raises:
+        DraftError: an id read back is outside the vocabulary.
+    """
     if is_lazy(rnd.block):
         rnd.block = tuple(int(t) for t in rnd.block.tolist())
         if rnd.chosen is not None:
             rnd.proposals[rnd.chosen] = rnd.block
-    elif rnd.block and not all(type(t) is int for t in rnd.block):
-        rnd.block = tuple(int(t) for t in rnd.block)
+            if state is not None:
+                guard.check_ids(state, rnd.chosen, rnd.block, rnd.position)
     return rnd.block
 
 
@@ -129,7 +137,11 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
 
     The first session that proposes at least ``policy.min_block`` tokens wins; sessions
     the governor gives no budget are asked for a shadow proposal instead when the
-    governor scores them.
+    governor scores them. The winning draft is checked (:func:`specdec.guard.check_draft`).
+
+    Raises:
+        ComponentError: a session or the governor raised (naming it, the round, the call).
+        DraftError: the winning draft breaks the :class:`specdec.Draft` contract.
     """
     limit = min(policy.max_block, state.emitter.remaining - 1)
     if limit < policy.min_block:
@@ -137,18 +149,32 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
     gov = state.governor
     shadows = gov is not None and optional(gov, "governor_session", "wants_shadows")
     for name, s in state.sessions:
-        budget = min(gov.budget(name, limit), limit) if gov is not None else limit
+        if gov is None:
+            budget = limit
+        else:
+            try:
+                budget = min(gov.budget(name, limit), limit)
+            except Exception as exc:
+                raise guard.component_error(
+                    state, "governor", policy.governor, "budget", exc, rnd.position
+                ) from exc
         if budget < policy.min_block:
             fn = optional(s, "drafter_session", "shadow") if shadows else None
             if fn is not None:
                 _shadow(state, rnd, name, fn, limit)
             continue
-        draft = s.propose(state.history, budget)
+        try:
+            draft = s.propose(state.history, budget)
+        except Exception as exc:
+            raise guard.component_error(
+                state, "drafter", name, "propose", exc, rnd.position
+            ) from exc
         if draft is None or draft.size < policy.min_block:
             continue
+        guard.check_draft(state, name, draft, budget, rnd.position)
         rnd.proposals[name] = draft.tokens
-        rnd.block = draft.tokens[:budget]
-        rnd.q = None if draft.probs is None else draft.probs[:budget]
+        rnd.block = draft.tokens
+        rnd.q = draft.probs
         rnd.chosen = name
         return
 
@@ -156,12 +182,26 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
 def _shadow(state: Any, rnd: Round, name: str, shadow: Any, limit: int) -> None:
     """Ask a session the governor refused what it would have proposed (shadow scoring)."""
     t0 = time.perf_counter()
-    draft = shadow(state.history, limit)
+    try:
+        draft = shadow(state.history, limit)
+    except Exception as exc:
+        raise guard.component_error(state, "drafter", name, "shadow", exc, rnd.position) from exc
     if draft is not None and draft.size:
         toks = draft.tokens
         rnd.shadows[name] = tuple(toks.tolist()) if is_lazy(toks) else tuple(toks)
         state.stats.shadow_proposals += 1
     state.stats.shadow_time_s += time.perf_counter() - t0
+
+
+def check_q(state: Any, rnd: Round) -> None:
+    """The settled block's draft probabilities ``q``, when it has them, checked before
+    acceptance (:func:`specdec.guard.check_q`).
+
+    Raises:
+        DraftError: ``q`` is not finite, negative, or zero at a drafted token.
+    """
+    if rnd.q is not None and rnd.block:
+        guard.check_q(state, rnd.chosen, rnd.block, rnd.q, rnd.position)
 
 
 def count_block(stats: Any, rnd: Round) -> None:
@@ -194,23 +234,39 @@ def process(logits: mx.array, history: list, block: Sequence[int], processors: l
     return mx.concatenate(rows, axis=0).astype(mx.float32)
 
 
-def accept(acceptors: dict, rnd: Round, sampler: Any) -> Acceptance:
-    """The round's acceptor over its (processed) logits, its answer checked.
+def accept(acceptors: dict, rnd: Round, sampler: Any, state: Any = None) -> Acceptance:
+    """The round's acceptor over its (processed) logits, its answer checked; with the
+    request's ``state``, an acceptor's exception is named.
 
     Raises:
-        RuntimeError: the acceptor accepted more tokens than the block has, or fewer than 0.
+        ComponentError: the acceptor raised, or accepted more tokens than the block has.
     """
     positions = range(rnd.position, rnd.position + rnd.n_fed)
-    acc = acceptors[rnd.acceptor].accept(rnd.block, rnd.q, rnd.logits, sampler, positions)
-    return checked(rnd, acc)
+    try:
+        acc = acceptors[rnd.acceptor].accept(rnd.block, rnd.q, rnd.logits, sampler, positions)
+    except Exception as exc:
+        if state is None:
+            raise
+        raise guard.component_error(
+            state, "acceptor", rnd.acceptor, "accept", exc, rnd.position
+        ) from exc
+    return checked(rnd, acc, state)
 
 
-def checked(rnd: Round, acc: Acceptance) -> Acceptance:
-    """``acc`` with plain ints, after checking it accepts a prefix of the block."""
+def checked(rnd: Round, acc: Acceptance, state: Any = None) -> Acceptance:
+    """``acc`` with plain ints, after checking it accepts a prefix of the block.
+
+    Raises:
+        ComponentError: the acceptor accepted more tokens than the block has, or fewer
+            than 0.
+    """
     n_acc = int(acc.n_accepted)
     if not 0 <= n_acc <= len(rnd.block):
-        raise RuntimeError(
-            f"acceptor {rnd.acceptor!r} accepted {n_acc} of a {len(rnd.block)}-token block"
+        what = f"accepted {n_acc} of a {len(rnd.block)}-token block"
+        if state is None:
+            raise ComponentError(f"acceptor {rnd.acceptor!r} {what}", role="acceptor")
+        raise guard.component_error(
+            state, "acceptor", rnd.acceptor, "accept", RuntimeError(what), rnd.position
         )
     return Acceptance(n_accepted=n_acc, token=int(acc.token))
 
@@ -274,20 +330,30 @@ def plain_result(rnd: Round, token: int, verify: VerifyResult | None) -> RoundRe
 
 
 def observe(state: Any, res: RoundResult) -> None:
-    """A committed round: the history grows, the sessions and the governor see it."""
+    """A committed round: the history grows, the sessions and the governor see it.
+
+    Raises:
+        ComponentError: a session's ``observe`` or the governor's raised (naming it).
+    """
     stats = state.stats
-    stats.target_forwards += 1
+    position = res.start_position
     state.history.extend(res.committed)
-    for _, s in state.sessions:
-        s.observe(res)
+    for name, s in state.sessions:
+        try:
+            s.observe(res)
+        except Exception as exc:
+            raise guard.component_error(state, "drafter", name, "observe", exc, position) from exc
     gov = state.governor
-    if gov is None:
-        return
-    if res.drafter is not None:
-        gov.observe(res.drafter, len(res.block), res.n_accepted)
-    if res.shadows:
+    if gov is not None:
         t0 = time.perf_counter()
-        gov.observe_round(res)
-        stats.shadow_time_s += time.perf_counter() - t0
-    else:
-        gov.observe_round(res)
+        try:
+            if res.drafter is not None:
+                gov.observe(res.drafter, len(res.block), res.n_accepted)
+            gov.observe_round(res)
+        except Exception as exc:
+            raise guard.component_error(
+                state, "governor", state.governor_name, "observe", exc, position
+            ) from exc
+        if res.shadows:
+            stats.shadow_time_s += time.perf_counter() - t0
+    stats.target_forwards += 1

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import guard
 from . import round as phases
 from .emit import StreamResponse
 from .lifecycle import RequestState, close, finish_stats, open_request, prefill, verify
@@ -196,14 +197,18 @@ class SingleDriver:
         """
         state = self.state
         if state.processors:
-            phases.settle(rnd)  # processors read the block's history
+            phases.settle(rnd, state)  # processors read the block's history
         lazy = phases.is_lazy(rnd.block)
+        if lazy:
+            # Its ids are checked when read back (settle): until then the forward is fed
+            # them clipped into the vocabulary, so no id can index outside the embedding.
+            fed = mx.clip(rnd.block, 0, state.vocab_size - 1).astype(mx.int32)
         if on is not None:
-            inputs = rnd.block.astype(mx.int32) if lazy else mx.array(list(rnd.block))
+            inputs = fed if lazy else mx.array(list(rnd.block))
         elif rnd.chosen is None:
             inputs = mx.array(state.history[-1:])
         elif lazy:
-            inputs = mx.concatenate([mx.array(state.history[-1:]), rnd.block.astype(mx.int32)])
+            inputs = mx.concatenate([mx.array(state.history[-1:]), fed])
         else:
             inputs = mx.array([state.history[-1], *rnd.block])
         rnd.n_fed = int(inputs.shape[0]) + (0 if on is None else 1)
@@ -333,16 +338,23 @@ class SingleDriver:
             return phases.plain_result(rnd, tok, rnd.vr)
         try:
             t0 = time.perf_counter()
-            phases.settle(rnd)
+            phases.settle(rnd, state)
+            phases.check_q(state, rnd)
             if rnd.projected:
-                acc = phases.checked(rnd, phases.accept_rows(stats, rnd))
+                acc = phases.checked(rnd, phases.accept_rows(stats, rnd), state)
             else:
-                acc = phases.accept(self.pipe.acceptors, rnd, state.sampler)
+                acc = phases.accept(self.pipe.acceptors, rnd, state.sampler, state)
             t_commit = time.perf_counter()
             stats.wait_time_s += t_commit - t0
             # Lazy: the next forward evaluates what the rollback built (no second sync).
             if not rnd.committed:
-                rnd.txn.commit(rnd.n_fed, acc.n_accepted + 1)
+                try:
+                    rnd.txn.commit(rnd.n_fed, acc.n_accepted + 1)
+                except Exception as exc:
+                    rollbacks = "+".join(stats.rollbacks)
+                    raise guard.component_error(
+                        state, "cache_rollback", rollbacks, "commit", exc, rnd.position
+                    ) from exc
         except BaseException:
             if not rnd.committed:
                 rnd.txn.abort()

@@ -38,6 +38,7 @@ from .checks import (
     require_installed,
     skip_unless_ci,
 )
+from .faults import FAULTS, FaultOutcome, InjectedFault, check_drafter_faults
 from .models import (
     ALL_ARCHITECTURES,
     ARCHITECTURES,
@@ -56,6 +57,10 @@ __all__ = [
     "EXTRA_ARCHITECTURES",
     "ToyTokenizer",
     "CORRUPTIONS",
+    "FAULTS",
+    "FaultOutcome",
+    "InjectedFault",
+    "check_drafter_faults",
     "OracleDrafter",
     "BATCH_TIE_GAP",
     "cache_view",

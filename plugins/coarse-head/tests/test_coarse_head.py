@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import specdec
 from specdec.testing import (
+    FAULTS,
+    check_drafter_faults,
     check_greedy_identity,
     check_sampled_distribution,
     copy_heavy_prompt,
@@ -154,6 +156,16 @@ def _draft_policy(draft, head_options, n=3):
             "coarse_head": {"candidates": 6, "keep": 12, "group_size": 32, **head_options},
         },
     )
+
+
+def test_a_faulty_draft_model_through_the_coarse_head_is_named():
+    # the kit's fault check on the drafter the coarse head serves
+    target = make_tiny_model("llama")
+    prompt = copy_heavy_prompt(target, SEED, 24)
+    outcomes = check_drafter_faults(
+        target, _draft_policy(target, {"kind": "quant"}), prompt, max_tokens=16
+    )
+    assert {o.fault for o in outcomes} == set(FAULTS)
 
 
 @pytest.mark.parametrize("kind", ["quant", "pruned"])

@@ -7,7 +7,9 @@ import pytest
 import specdec
 from gemma4_support import policy
 from specdec.testing import (
+    FAULTS,
     check_caches_match_plain,
+    check_drafter_faults,
     check_greedy_identity,
     check_sampled_distribution,
     check_sampled_identity,
@@ -125,3 +127,10 @@ def test_the_depth_grows_to_the_requested_block_and_stays_exact(trained):
     assert set(out.stats.block_sizes) <= {0, 1, 2}
     # the configured depth of the checkpoint (block_size 4: three drafts) by default
     assert DEFAULTS["depth"] is None
+
+
+def test_a_faulty_assistant_drafter_ends_in_a_named_error_or_identical_output(trained):
+    # the kit's fault check: out-of-range ids (lazy ones too), bad q, exceptions
+    model, folder, seqs, _ = trained("gemma4", "dense")
+    outcomes = check_drafter_faults(model, policy(folder), seqs[0][:8], max_tokens=16)
+    assert {o.fault for o in outcomes} == set(FAULTS)

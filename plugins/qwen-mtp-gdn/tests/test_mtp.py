@@ -13,6 +13,8 @@ from gdn_support import copy_prompt
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
 from specdec.testing import (
+    FAULTS,
+    check_drafter_faults,
     check_greedy_identity,
     check_sampled_distribution,
     check_sampled_identity,
@@ -182,6 +184,13 @@ def test_greedy_identity_with_drafts_accepted(trained, arch):
     assert st["position_acceptance"][0] > 0.8  # the trained text: position 1 is right
     assert st["position_reached"][0] == st["mtp_rounds"] and st["hidden_gaps"] == 0
     assert out.stats.tokens_per_forward > 1.5
+
+
+def test_a_faulty_mtp_drafter_ends_in_a_named_error_or_identical_output(trained):
+    # the kit's fault check: out-of-range ids (lazy ones too), bad q, exceptions
+    model, _, seqs = trained("qwen3_5")
+    outcomes = check_drafter_faults(model, MTP, seqs[0][:8], max_tokens=16)
+    assert {o.fault for o in outcomes} == set(FAULTS)
 
 
 def test_greedy_identity_on_text_the_head_never_saw(trained):

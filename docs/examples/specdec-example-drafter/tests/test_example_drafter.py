@@ -7,7 +7,9 @@ import specdec
 import specdec_example_drafter
 from specdec.testing import (
     ARCHITECTURES,
+    FAULTS,
     check_caches_match_plain,
+    check_drafter_faults,
     check_fewer_forwards,
     check_greedy_identity,
     check_sampled_identity,
@@ -115,6 +117,15 @@ def test_greedy_identity_per_architecture(arch):
     policy = POLICY.with_options("example_repeat", max_len=3)
     with plugin_host(specdec_example_drafter):
         check_greedy_identity(make_tiny_model(arch), policy, PROMPT, max_tokens_list=range(1, 17))
+
+
+def test_faults_end_in_a_named_error_or_identical_output(model):
+    # The kit feeds the drafter its worst cases (ids outside the vocabulary, an over-long
+    # block, bad q, exceptions on the first and n-th call): each must end in a
+    # specdec error naming the drafter, or in plain decoding's output.
+    with plugin_host(specdec_example_drafter):
+        outcomes = check_drafter_faults(model, POLICY, PROMPT, max_tokens=16)
+    assert {o.fault for o in outcomes} == set(FAULTS)
 
 
 def test_caches_match_plain_decoding(model):

@@ -1,0 +1,183 @@
+"""Holding a request's components to their contract.
+
+Every draft is checked before it reaches the model (:func:`check_draft`,
+:func:`check_ids`, :func:`check_q`) and every exception a component raises during a
+request reaches the caller as a :class:`specdec.ComponentError` that names the
+component, its distribution and version, the round and the call
+(:func:`component_error`); the exception is its ``__cause__``.
+
+What the checks cost on the hot path:
+
+- a block of ints: ``min`` / ``max`` over at most ``max_block`` ints on the host;
+- a lazy ``mx.array`` block: its shape and dtype only (no host sync) before the
+  forward, which is fed the ids clipped into the vocabulary (one elementwise op in the
+  graph, so an out-of-range id can never index the embedding); the ids themselves are
+  checked when the round reads the block back (:func:`specdec.round.settle`), the one
+  host sync it has anyway, before anything is accepted;
+- ``q``: its shape before the forward; its values (finite, non-negative, positive at
+  each drafted token) with the acceptance, one reduction over ``[k, vocab]``.
+
+Errors a component raises on purpose (:class:`specdec.SpecdecError`) pass unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from .errors import ComponentError, DraftError, SpecdecError
+
+__all__ = [
+    "check_draft",
+    "check_ids",
+    "check_q",
+    "component_error",
+    "describe",
+]
+
+
+def describe(host: Any, role: str, name: str | None) -> str:
+    """``"drafter 'ngram_copy' (specdec-plugin-ngram 0.4.0)"``: a component as errors
+    name it (its distribution and version when the host knows them)."""
+    label = f"{role.replace('_', ' ')} {name!r}"
+    info = host.components.get(role, {}).get(name) if name is not None else None
+    if info is not None:
+        label += f" ({info.distribution} {info.version})"
+    return label
+
+
+def _where(state: Any, position: int | None) -> tuple[int, str]:
+    n = state.stats.target_forwards + 1 if position is not None else 0
+    if position is None:
+        return 0, "while opening the request"
+    return n, f"in round {n} (position {position})"
+
+
+def _label(state: Any, role: str, name: str | None) -> str:
+    label = describe(state.host, role, name)
+    head = state.heads.get(name) if role == "drafter" and state.heads else None
+    if head is not None:
+        label += f" with {describe(state.host, 'draft_head', head.name)}"
+    return label
+
+
+def _dist(state: Any, role: str, name: str | None) -> str:
+    info = state.host.components.get(role, {}).get(name)
+    return "" if info is None else f"{info.distribution} {info.version}"
+
+
+def component_error(
+    state: Any, role: str, name: str | None, call: str, exc: BaseException, position: int | None
+) -> BaseException:
+    """The error to raise (``from exc``) for ``exc`` raised by ``name``'s ``call``: a
+    :class:`specdec.ComponentError` naming them, or ``exc`` itself when it is a
+    specdec error already (raised on purpose, or named by an inner call)."""
+    if isinstance(exc, SpecdecError):
+        return exc
+    n, where = _where(state, position)
+    return ComponentError(
+        f"{_label(state, role, name)} raised in {call}() {where}: {type(exc).__name__}: {exc}",
+        role=role,
+        component=name or "",
+        distribution=_dist(state, role, name),
+        round=n,
+        position=position,
+        call=call,
+    )
+
+
+def _bad_draft(state: Any, name: str, position: int, what: str) -> DraftError:
+    n, where = _where(state, position)
+    return DraftError(
+        f"{_label(state, 'drafter', name)} proposed a bad draft {where}: {what}",
+        role="drafter",
+        component=name,
+        distribution=_dist(state, "drafter", name),
+        round=n,
+        position=position,
+        call="propose",
+    )
+
+
+def check_ids(state: Any, name: str, block: tuple, position: int) -> None:
+    """Every id of a block of ints is in ``[0, vocab_size)``.
+
+    Raises:
+        DraftError: naming the first id outside it.
+    """
+    v = state.vocab_size
+    if block and (min(block) < 0 or max(block) >= v):
+        i, t = next((i, t) for i, t in enumerate(block) if not 0 <= t < v)
+        raise _bad_draft(
+            state,
+            name,
+            position,
+            f"token id {t} at index {i} of {list(block)[:16]} is outside the vocabulary [0, {v})",
+        )
+
+
+def check_draft(state: Any, name: str, draft: Any, budget: int, position: int) -> None:
+    """A draft as proposed: no longer than ``budget``; its ids in the vocabulary (a lazy
+    array: 1-D of an integer type, its values checked when read back); ``q`` of shape
+    ``[len(tokens), vocab_size]``.
+
+    Raises:
+        DraftError: naming what was wrong.
+    """
+    toks = draft.tokens
+    if isinstance(toks, tuple):
+        k = len(toks)
+    else:
+        if toks.ndim != 1 or not mx.issubdtype(toks.dtype, mx.integer):
+            raise _bad_draft(
+                state,
+                name,
+                position,
+                f"tokens must be a 1-D array of integer ids, got shape {tuple(toks.shape)} "
+                f"of {toks.dtype}",
+            )
+        k = int(toks.shape[0])
+    if k > budget:
+        raise _bad_draft(
+            state,
+            name,
+            position,
+            f"{k} tokens where at most {budget} were asked for (propose's max_len)",
+        )
+    if isinstance(toks, tuple):
+        check_ids(state, name, toks, position)
+    q = draft.probs
+    if q is not None:
+        shape = tuple(q.shape) if isinstance(q, mx.array) else None
+        if shape != (k, state.vocab_size):
+            raise _bad_draft(
+                state,
+                name,
+                position,
+                f"probs (q) must have shape ({k}, {state.vocab_size}) = (block length, "
+                f"vocabulary size), got {shape or type(q).__name__}",
+            )
+
+
+def check_q(state: Any, name: str, block: tuple, q: Any, position: int) -> None:
+    """``q``'s values: finite, non-negative, and positive at each drafted token (a token
+    ``q`` gives probability 0 cannot have been drawn from it).
+
+    Raises:
+        DraftError: naming the first row that breaks it.
+    """
+    q = q.astype(mx.float32) if q.dtype != mx.float32 else q
+    at = mx.take_along_axis(q, mx.array(block)[:, None], axis=-1)[:, 0]
+    bad_row = mx.any(~mx.isfinite(q) | (q < 0), axis=-1) | (at <= 0)
+    if not bool(mx.any(bad_row).item()):
+        return
+    i = int(mx.argmax(bad_row).item())
+    row = q[i]
+    if not bool(mx.all(mx.isfinite(row)).item()):
+        what = "is not finite (NaN or infinity)"
+    elif bool(mx.any(row < 0).item()):
+        what = f"has a negative probability ({float(mx.min(row).item()):.3g})"
+    else:
+        what = f"gives the drafted token {block[i]} probability {float(at[i].item()):.3g}"
+    raise _bad_draft(state, name, position, f"probs (q) row {i} {what}")
