@@ -42,9 +42,9 @@ nox.options.sessions = ["tests", "plugin", "install", "lint"]
 
 LINT_PATHS = ["core", "tests", "plugins", "docs", "noxfile.py"]
 #: The core's extras: ``cpu`` (mlx's CPU backend, Linux only; now also a Linux dependency
-#: of the core, so a no-op kept for old commands), ``test`` the test tools.
+#: of the core, so a no-op kept for old commands), ``test`` the core suite's test tools
+#: (the ``testing`` extra's, what ``specdec.testing`` needs, plus matplotlib).
 CORE_EXTRAS = "cpu,test"
-TEST_REQUIREMENTS = ["pytest>=8", "scipy>=1.10"]
 
 
 def _packages(parent: str) -> list[Path]:
@@ -89,7 +89,7 @@ def tests(session: nox.Session) -> None:
     args = ["-e", f".[{CORE_EXTRAS}]"]
     for p in _plugin_dirs():
         args += ["-e", _rel(p)]
-    session.install(*args, *TEST_REQUIREMENTS, *_external_test_requirements())
+    session.install(*args, *_external_test_requirements())
     session.run("specdec", "plugins", "--all")
     _pytest(session, *_test_dirs())
 
@@ -166,6 +166,9 @@ def plugin(session: nox.Session, name: str) -> None:
     Other distributions of this repository that the plugin names in its
     dependencies or its ``test`` extra are built as wheels too and found
     through ``--find-links``; nothing else from the source tree is installed.
+    What the tests need comes from the plugin's own ``test`` extra alone (the
+    test kit's pytest and scipy through ``specdec-core[testing]``), as a third
+    party installs it: a plugin without one is an error.
     """
     folder = ROOT / name
     tests_dir = folder / "tests"
@@ -189,16 +192,12 @@ def plugin(session: nox.Session, name: str) -> None:
         session.error(
             f"expected one core and one plugin wheel in {sorted(w.name for w in wheels.iterdir())}"
         )
-    test_extra = (
-        "[test]" if "test" in _pyproject(folder)["project"].get("optional-dependencies", {}) else ""
-    )
-    session.install(
-        "--find-links",
-        str(wheels),
-        f"{core_whl[0]}[cpu]",
-        f"{plugin_whl[0]}{test_extra}",
-        *TEST_REQUIREMENTS,
-    )
+    if "test" not in _pyproject(folder)["project"].get("optional-dependencies", {}):
+        session.error(
+            f"{name} has no `test` extra: declare what its tests need, e.g. "
+            'test = ["specdec-core[testing]>=0.3,<0.4"]'
+        )
+    session.install("--find-links", str(wheels), f"{core_whl[0]}[cpu]", f"{plugin_whl[0]}[test]")
     session.run("specdec", "plugins")
     # run from the plugin's folder so its own pytest configuration applies and
     # the core's source tree is not importable (only the installed wheels are)

@@ -283,3 +283,76 @@ def test_find_copy_prompt_searches_for_accepted_copies(models):
         find_copy_prompt(m, pol, drafter="ngram")
     with pytest.raises(AssertionError, match=r"\(drafted, accepted\) \[\(0, 0\), \(0, 0\)\]"):
         find_copy_prompt(m, "none", min_accepted=1, tries=2)
+
+
+class _TextCopy(specdec.BaseDrafter):
+    """Copies what followed the last two tokens' previous occurrence; needs a tokenizer."""
+
+    name = "text_copy"
+
+    def session(self, ctx):
+        if ctx.tokenizer is None:
+            raise specdec.RequestError("text_copy needs a tokenizer (ctx.tokenizer is None)")
+        return _TextCopySession(ctx.tokenizer)
+
+
+class _TextCopySession(specdec.BaseDrafterSession):
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def propose(self, history, max_len):
+        self.tokenizer.decode(history)  # it reads the text (here only to show it can)
+        tail = list(history[-2:])
+        for i in range(len(history) - 3, 0, -1):
+            if list(history[i - 1 : i + 1]) == tail:
+                block = list(history[i + 1 : i + 1 + max_len])
+                return specdec.Draft(tokens=block) if block else None
+        return None
+
+
+class _TextCopyPlugin:
+    @specdec.hookimpl
+    def specdec_register_drafters(self, register):
+        register("text_copy", _TextCopy, description="copies; reads ctx.tokenizer")
+
+
+def test_find_copy_prompt_passes_the_tokenizer_and_the_host(models):
+    from specdec.plugins import PluginHost
+    from specdec.testing import ToyTokenizer, plugin_host
+
+    m, tok = models["llama"], ToyTokenizer()
+    pol = specdec.Policy(drafters=("text_copy",))
+    kw = dict(min_accepted=2, seed_len=6, cont_len=20, tries=8)
+    with plugin_host(_TextCopyPlugin(), load_entry_points=False):
+        # without a tokenizer every candidate's session fails
+        with pytest.raises(specdec.RequestError, match="text_copy needs a tokenizer"):
+            find_copy_prompt(m, pol, **kw)
+        prompt = find_copy_prompt(m, pol, tokenizer=tok, **kw)
+    assert prompt[:6] == prompt[-6:]
+    # a host built by hand, not installed process-wide: passed as host=
+    host = PluginHost(load_entry_points=False)
+    host.register_plugin(_TextCopyPlugin(), name="text_copy_plugin", distribution="test")
+    with pytest.raises(specdec.UnknownComponentError, match="text_copy"):
+        find_copy_prompt(m, pol, tokenizer=tok, **kw)
+    assert find_copy_prompt(m, pol, tokenizer=tok, host=host, **kw) == prompt
+    st = specdec.assemble(m, tok, pol, host=host).generate(prompt, max_tokens=32).stats
+    assert 2 <= st.accepted < st.drafted
+
+
+def test_toy_tokenizer_alphabet_and_id_of():
+    from specdec.testing import ToyTokenizer
+    from specdec.testing.toy_tokenizer import ALPHABET, NEWLINE, SPACE
+
+    tok = ToyTokenizer()
+    assert (NEWLINE, SPACE) == (33, 26) == (tok.id_of("\n"), tok.id_of(" "))
+    assert [tok.id_of(c) for c in "az.?09AT"] == [0, 25, 27, 32, 34, 43, 44, 63]
+    assert len(ALPHABET) == 72 and ToyTokenizer(72).id_of(")") == 71
+    assert tok.encode("ab\nc") == [0, 1, NEWLINE, 2] and tok.decode([0, 1, NEWLINE, 2]) == "ab\nc"
+    assert tok.decode([72, 73]) == "ab"  # modulo the alphabet
+    # U is id 64: outside the default vocabulary of 64
+    with pytest.raises(ValueError, match=r"vocab_size=64\) cannot encode 'U'.*'abc"):
+        tok.id_of("U")
+    with pytest.raises(ValueError, match=r"cannot encode 'é'"):
+        tok.encode("é")
+    with pytest.raises(ValueError, match=r"cannot encode 'ab'"):
+        tok.id_of("ab")

@@ -89,8 +89,9 @@ def _has_host() -> bool:
     return plugins._host is not None
 
 
-def _host_with_oracle() -> PluginHost:
-    host = get_plugin_host()
+def _host_with_oracle(host: PluginHost | None = None) -> PluginHost:
+    """``host`` (default: the process-wide one), with the kit's oracle drafter registered."""
+    host = host or get_plugin_host()
     if "oracle" not in host.components["drafter"]:
         from .oracle import oracle_plugin
 
@@ -98,9 +99,9 @@ def _host_with_oracle() -> PluginHost:
     return host
 
 
-def _plain(model: Any, tokenizer: Any = None) -> Any:
+def _plain(model: Any, tokenizer: Any = None, host: PluginHost | None = None) -> Any:
     """The plain path users get: ``assemble(model, tokenizer, "none")``."""
-    return assemble(model, tokenizer, "none", host=_host_with_oracle())
+    return assemble(model, tokenizer, "none", host=_host_with_oracle(host))
 
 
 def _pipes(model: Any, policy: Any, tokenizer: Any = None):
@@ -668,6 +669,8 @@ def find_copy_prompt(
     cont_len: int = 40,
     tries: int = 16,
     drafter: str | None = None,
+    tokenizer: Any = None,
+    host: PluginHost | None = None,
 ) -> list[int]:
     """A prompt on which ``policy`` gets at least ``min_accepted`` drafts accepted and
     some rejected in ``max_tokens`` greedy tokens, searched for in a fixed order;
@@ -683,6 +686,11 @@ def find_copy_prompt(
 
     Each candidate runs on a fresh pipeline (nothing one learns, such as a measured
     round overhead, carries over to the next), as the test's own pipeline will be.
+    The pipelines are assembled with ``tokenizer`` (for a drafter that reads
+    ``ctx.tokenizer`` or checks it in ``attach``; the candidates stay token ids) and
+    resolve components from ``host`` (default: the process-wide host, which
+    :func:`plugin_host` installs; pass one for a host built by hand), with the kit's
+    oracle drafter added as the other checks add it.
     Which candidate qualifies can still depend on the machine where the policy sizes
     blocks by measured cost (a verify cost curve is profiled on the device).
 
@@ -690,13 +698,14 @@ def find_copy_prompt(
         ValueError: ``drafter`` is not one of the policy's drafters.
         AssertionError: naming every candidate's (drafted, accepted), if none qualifies.
     """
-    pol = load_policy(policy)
+    host = _host_with_oracle(host)
+    pol = load_policy(policy, host=host)
     if drafter is not None and drafter not in pol.drafters:
         raise ValueError(
             f"find_copy_prompt: drafter {drafter!r} is not in policy {pol.name!r}, whose "
             f"drafters are {list(pol.drafters)}"
         )
-    plain = _plain(model)
+    plain = _plain(model, tokenizer, host)
     vocab = min(64, int(getattr(getattr(model, "args", None), "vocab_size", 64) or 64))
     tried = []
     for s in range(tries):
@@ -704,7 +713,7 @@ def find_copy_prompt(
         seed = [rng.randrange(vocab) for _ in range(seed_len)]
         cont = plain.generate(seed, max_tokens=cont_len, temperature=0.0).tokens
         prompt = seed + cont + seed
-        spec = assemble(model, policy=pol)
+        spec = assemble(model, tokenizer, pol, host=host)
         stats = spec.generate(prompt, max_tokens=max_tokens, temperature=0.0).stats
         if drafter is None:
             drafted, accepted = stats.drafted, stats.accepted
