@@ -22,7 +22,7 @@ from ..errors import ComponentError, DraftError
 from ..heads import model_vocab_size
 from ..presets import load_policy
 from ..roles import Draft
-from .checks import _pipes
+from ..assembly import assemble
 
 __all__ = ["FAULTS", "FaultOutcome", "InjectedFault", "check_drafter_faults"]
 
@@ -182,7 +182,8 @@ def check_drafter_faults(
     unknown = [f for f in chosen if f not in FAULTS]
     if unknown:
         raise ValueError(f"check_drafter_faults: unknown faults {unknown}; known: {list(FAULTS)}")
-    plain, spec = _pipes(model, pol, tokenizer)
+    plain = assemble(model, tokenizer, "none")
+    spec = assemble(model, tokenizer, pol)
     prompt = list(prompt_tokens)
     kw = dict(max_tokens=max_tokens, temperature=0.0, **generate_kwargs)
     reference = plain.generate(prompt, **kw).tokens
