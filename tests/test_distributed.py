@@ -369,7 +369,7 @@ def test_pipeline_parallel(ranks, single):
     a, b = _case(ranks, "pipeline-oracle-sampled")
     assert a["error"] is None and a["tokens"] == b["tokens"] == single["qwen2_sampled"]
     a, b = _case(ranks, "pipeline-fails")
-    assert b["error_type"] == "RuntimeError" and a["error_type"] == "DistributedError"
+    assert b["error_type"] == "ComponentError" and a["error_type"] == "DistributedError"
     assert "rank 1 failed at round 3:" in a["error"]
 
 

@@ -171,7 +171,8 @@ def test_draft_model_through_a_head_drafts_what_the_draft_model_would(models, co
 
 
 def test_draft_model_head_option_is_checked():
-    with pytest.raises(specdec.PolicyError, match="head must be a draft head name"):
+    # draft_model's head: str | None: the assembly checks the type before the drafter runs
+    with pytest.raises(specdec.PolicyError, match="draft_model.*option head must be a string"):
         specdec.assemble(
             make_tiny_model("llama"),
             policy={

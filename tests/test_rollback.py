@@ -160,9 +160,10 @@ def test_exception_mid_round_restores_caches_and_next_request_is_normal(models, 
             live[:] = [caches]  # the request's own cache list, to read after the failure
 
         stream = pipe.stream(prompt, max_tokens=20, on_round=rec)
-        with pytest.raises(_Boom):
+        with pytest.raises(specdec.ComponentError, match="verifier 'failing'") as e:
             for _ in stream:
                 pass
+        assert isinstance(e.value.__cause__, _Boom)
         # the failed round's transaction was aborted: the caches are exactly those
         # recorded after the last round that completed
         assert seen and live, "no round completed before the injected failure"

@@ -235,6 +235,7 @@ def model_fingerprint(model: Any, verifier: Any = None) -> str:
     h.update(str(mx.default_device()).encode())
     h.update(mx.__version__.encode())  # type: ignore[attr-defined]  # not in mlx's stubs
     h.update(platform.machine().encode())
+    h.update(b"row=suffix-min")  # how a profiled row is made monotone (curves of before differ)
     h.update(str(os.cpu_count()).encode())
     if mx.default_device().type == mx.DeviceType.cpu:
         h.update(f"blas={os.path.basename(active_blas_library() or '?')}".encode())
@@ -334,7 +335,8 @@ def _profile_context(
     tick: Callable[[str], None],
 ) -> tuple[float, ...]:
     """One row of the curve: the fastest verify forward of each width after ``ctx_len``
-    random tokens (see :func:`profile_verify_cost`), made non-decreasing in the width."""
+    random tokens (see :func:`profile_verify_cost`), made non-decreasing in the width
+    by taking, for each width, the fastest forward of that width or a wider one."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from .attention import verify_attention
@@ -369,11 +371,14 @@ def _profile_context(
             if rep > 0:
                 times[w].append(dt)
             tick(f"context {ctx_len}, width {w}")
+    # Each width costs the fastest forward of that width or any wider one: non-decreasing
+    # in the width, and one width slowed by the machine (another process, a page fault)
+    # cannot inflate the wider ones, as a running maximum from the narrow end would.
     row: list[float] = []
-    for w in widths:
+    for w in reversed(widths):
         v = min(times[w])
-        row.append(max(v, row[-1]) if row else v)
-    return tuple(row)
+        row.append(min(v, row[-1]) if row else v)
+    return tuple(reversed(row))
 
 
 class RoundOverhead:

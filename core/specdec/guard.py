@@ -3,8 +3,8 @@
 Every draft is checked before it reaches the model (:func:`check_draft`,
 :func:`check_ids`, :func:`check_q`) and every exception a component raises during a
 request reaches the caller as a :class:`specdec.ComponentError` that names the
-component, its distribution and version, the round and the call
-(:func:`component_error`); the exception is its ``__cause__``.
+component, its distribution and version, the round and the call (:func:`blame`);
+the exception is its ``__cause__``.
 
 What the checks cost on the hot path:
 
@@ -22,7 +22,7 @@ Errors a component raises on purpose (:class:`specdec.SpecdecError`) pass unchan
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 
@@ -31,6 +31,7 @@ from .errors import ComponentError, DraftError, SpecdecError
 __all__ = [
     "check_draft",
     "check_ids",
+    "blame",
     "check_q",
     "component_error",
     "describe",
@@ -69,12 +70,9 @@ def _dist(state: Any, role: str, name: str | None) -> str:
 
 def component_error(
     state: Any, role: str, name: str | None, call: str, exc: BaseException, position: int | None
-) -> BaseException:
-    """The error to raise (``from exc``) for ``exc`` raised by ``name``'s ``call``: a
-    :class:`specdec.ComponentError` naming them, or ``exc`` itself when it is a
-    specdec error already (raised on purpose, or named by an inner call)."""
-    if isinstance(exc, SpecdecError):
-        return exc
+) -> ComponentError:
+    """A :class:`specdec.ComponentError` for ``exc`` raised by ``name``'s ``call``, naming
+    them, the round and the position."""
     n, where = _where(state, position)
     return ComponentError(
         f"{_label(state, role, name)} raised in {call}() {where}: {type(exc).__name__}: {exc}",
@@ -85,6 +83,17 @@ def component_error(
         position=position,
         call=call,
     )
+
+
+def blame(
+    state: Any, role: str, name: str | None, call: str, exc: BaseException, position: int | None
+) -> NoReturn:
+    """Raise, for ``exc`` raised by ``name``'s ``call`` (call it in the ``except`` clause):
+    ``exc`` itself when it is a specdec error already (raised on purpose, or named by an
+    inner call), else :func:`component_error` with ``exc`` as its cause."""
+    if isinstance(exc, SpecdecError):
+        raise exc
+    raise component_error(state, role, name, call, exc, position) from exc
 
 
 def _bad_draft(state: Any, name: str, position: int, what: str) -> DraftError:

@@ -148,7 +148,7 @@ def open_request(
         try:
             session = d.session(ctx)
         except Exception as exc:
-            raise guard.component_error(state, "drafter", d.name, "session", exc, None) from exc
+            guard.blame(state, "drafter", d.name, "session", exc, None)
         state.sessions.append((d.name, session))
         stats.per_drafter[d.name] = {"rounds": 0, "drafted": 0, "accepted": 0}
     if pipe.governor is not None and drafters:
@@ -157,9 +157,7 @@ def open_request(
         try:
             state.governor = pipe.governor.session(ctx)
         except Exception as exc:
-            raise guard.component_error(
-                state, "governor", policy.governor, "session", exc, None
-            ) from exc
+            guard.blame(state, "governor", policy.governor, "session", exc, None)
     return plan
 
 
@@ -251,9 +249,7 @@ def prefill(pipe: Any, state: RequestState, coord: Any) -> None:
                     try:
                         listen(record)
                     except Exception as exc:
-                        raise guard.component_error(
-                            state, "drafter", name, "prefill", exc, None
-                        ) from exc
+                        guard.blame(state, "drafter", name, "prefill", exc, None)
             # The chunk's logits are never read: only the caches are evaluated.
             mx.eval([c.state for c in caches])
         except Exception as exc:

@@ -155,9 +155,7 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
             try:
                 budget = min(gov.budget(name, limit), limit)
             except Exception as exc:
-                raise guard.component_error(
-                    state, "governor", policy.governor, "budget", exc, rnd.position
-                ) from exc
+                guard.blame(state, "governor", policy.governor, "budget", exc, rnd.position)
         if budget < policy.min_block:
             fn = optional(s, "drafter_session", "shadow") if shadows else None
             if fn is not None:
@@ -166,9 +164,7 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
         try:
             draft = s.propose(state.history, budget)
         except Exception as exc:
-            raise guard.component_error(
-                state, "drafter", name, "propose", exc, rnd.position
-            ) from exc
+            guard.blame(state, "drafter", name, "propose", exc, rnd.position)
         if draft is None or draft.size < policy.min_block:
             continue
         guard.check_draft(state, name, draft, budget, rnd.position)
@@ -185,7 +181,7 @@ def _shadow(state: Any, rnd: Round, name: str, shadow: Any, limit: int) -> None:
     try:
         draft = shadow(state.history, limit)
     except Exception as exc:
-        raise guard.component_error(state, "drafter", name, "shadow", exc, rnd.position) from exc
+        guard.blame(state, "drafter", name, "shadow", exc, rnd.position)
     if draft is not None and draft.size:
         toks = draft.tokens
         rnd.shadows[name] = tuple(toks.tolist()) if is_lazy(toks) else tuple(toks)
@@ -247,9 +243,7 @@ def accept(acceptors: dict, rnd: Round, sampler: Any, state: Any = None) -> Acce
     except Exception as exc:
         if state is None:
             raise
-        raise guard.component_error(
-            state, "acceptor", rnd.acceptor, "accept", exc, rnd.position
-        ) from exc
+        guard.blame(state, "acceptor", rnd.acceptor, "accept", exc, rnd.position)
     return checked(rnd, acc, state)
 
 
@@ -342,7 +336,7 @@ def observe(state: Any, res: RoundResult) -> None:
         try:
             s.observe(res)
         except Exception as exc:
-            raise guard.component_error(state, "drafter", name, "observe", exc, position) from exc
+            guard.blame(state, "drafter", name, "observe", exc, position)
     gov = state.governor
     if gov is not None:
         t0 = time.perf_counter()
@@ -351,9 +345,7 @@ def observe(state: Any, res: RoundResult) -> None:
                 gov.observe(res.drafter, len(res.block), res.n_accepted)
             gov.observe_round(res)
         except Exception as exc:
-            raise guard.component_error(
-                state, "governor", state.governor_name, "observe", exc, position
-            ) from exc
+            guard.blame(state, "governor", state.governor_name, "observe", exc, position)
         if res.shadows:
             stats.shadow_time_s += time.perf_counter() - t0
     stats.target_forwards += 1

@@ -352,9 +352,7 @@ class SingleDriver:
                     rnd.txn.commit(rnd.n_fed, acc.n_accepted + 1)
                 except Exception as exc:
                     rollbacks = "+".join(stats.rollbacks)
-                    raise guard.component_error(
-                        state, "cache_rollback", rollbacks, "commit", exc, rnd.position
-                    ) from exc
+                    guard.blame(state, "cache_rollback", rollbacks, "commit", exc, rnd.position)
         except BaseException:
             if not rnd.committed:
                 rnd.txn.abort()

@@ -18,11 +18,11 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from ..assembly import assemble
 from ..errors import ComponentError, DraftError
 from ..heads import model_vocab_size
 from ..presets import load_policy
 from ..roles import Draft
-from ..assembly import assemble
 
 __all__ = ["FAULTS", "FaultOutcome", "InjectedFault", "check_drafter_faults"]
 

@@ -8,7 +8,9 @@ import random
 import pytest
 import specdec
 from specdec.testing import (
+    FAULTS,
     check_caches_match_plain,
+    check_drafter_faults,
     check_fewer_forwards,
     check_greedy_identity,
     check_listed,
@@ -339,3 +341,15 @@ def test_cost_sizing_reads_the_pipelines_curve_and_reports_its_choices():
     assert drafted == per["block_sizes"]
     ladder = specdec.assemble(model, policy=NGRAM.with_options("ngram_copy", sizing="ladder"))
     assert ladder.cost_model is None
+
+
+@pytest.mark.parametrize("policy", [NGRAM, COPY], ids=["ngram", "copy"])
+def test_faults_end_in_a_named_error_or_identical_output(policy):
+    # the kit's fault check: ids outside the vocabulary (lazy ones too), an over-long
+    # block, bad q, exceptions on the first and n-th call: a named error or plain output
+    model = make_tiny_model("llama", vocab_size=64, seed=0)
+    prompt = list(_copy_heavy("llama", 64, 6, policy))
+    # long enough for a third propose call after two long accepted copies
+    outcomes = check_drafter_faults(model, policy, prompt, max_tokens=48)
+    assert {o.fault for o in outcomes} == set(FAULTS)
+    assert all(repr("ngram_copy") in o.message for o in outcomes if o.outcome == "error")
