@@ -409,9 +409,9 @@ class Batch:
         return [BatchEvent(m.rid, error=failed.get(i, exc)) for i, m in enumerate(gone)]
 
     def _accept(self, state: RequestState, rnd: Round, logits: mx.array) -> RoundResult:
-        phases.check_q(state, rnd)
         rnd.logits = phases.process(logits, state.history, rnd.block, state.processors)
         acc = phases.accept(self.pipeline.acceptors, rnd, state.sampler, state)
+        phases.check_q(state, rnd, acc.n_accepted)
         return phases.result(state, rnd, acc.n_accepted, acc.token)
 
 

@@ -14,14 +14,16 @@ What the checks cost on the hot path:
   graph, so an out-of-range id can never index the embedding); the ids themselves are
   checked when the round reads the block back (:func:`specdec.round.settle`), the one
   host sync it has anyway, before anything is accepted;
-- ``q``: its shape before the forward; its values (finite, non-negative, positive at
-  each drafted token) with the acceptance, one reduction over ``[k, vocab]``.
+- ``q``: its shape before the forward; after the acceptor, before the commit, the values
+  acceptance read (:func:`check_q`): ``k`` gathered values and, on a round with a
+  rejection, one row.
 
 Errors a component raises on purpose (:class:`specdec.SpecdecError`) pass unchanged.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NoReturn
 
 import mlx.core as mx
@@ -169,24 +171,45 @@ def check_draft(state: Any, name: str, draft: Any, budget: int, position: int) -
             )
 
 
-def check_q(state: Any, name: str, block: tuple, q: Any, position: int) -> None:
-    """``q``'s values: finite, non-negative, and positive at each drafted token (a token
-    ``q`` gives probability 0 cannot have been drawn from it).
+def check_q(state: Any, name: str, block: tuple, q: Any, n_accepted: int, position: int) -> None:
+    """The values of ``q`` that acceptance read: at each drafted token up to the first
+    rejected one, finite and above 0 (a token ``q`` gives probability 0 cannot have been
+    drawn from it); and the whole row of the first rejected position, from which the
+    correction is drawn (``max(p - q, 0)``), finite and non-negative. Called after the
+    acceptor, before the round is committed: a bad ``q`` then ends the request with
+    nothing of the round kept. Rows after the first rejection are never read.
+
+    Costs a gather of at most ``k`` values and, on a round with a rejection, one pass
+    over one row: not one over the whole ``[k, vocab]``.
 
     Raises:
-        DraftError: naming the first row that breaks it.
+        DraftError: naming the row and what was wrong.
     """
-    q = q.astype(mx.float32) if q.dtype != mx.float32 else q
-    at = mx.take_along_axis(q, mx.array(block)[:, None], axis=-1)[:, 0]
-    bad_row = mx.any(~mx.isfinite(q) | (q < 0), axis=-1) | (at <= 0)
-    if not bool(mx.any(bad_row).item()):
+    k = len(block)
+    used = min(n_accepted + 1, k)  # rows whose drafted token was judged
+    at = mx.take_along_axis(q[:used], mx.array(block[:used])[:, None], axis=-1)[:, 0]
+    checks = [mx.min(at)]
+    if n_accepted < k:  # the residual row of the first rejected position
+        row = q[n_accepted]
+        checks += [mx.min(row), mx.sum(row)]
+    vals = mx.stack([c.astype(mx.float32) for c in checks]).tolist()
+    if math.isfinite(vals[0]) and vals[0] > 0 and (
+        len(vals) == 1 or (vals[1] >= 0 and math.isfinite(vals[2]))
+    ):
         return
-    i = int(mx.argmax(bad_row).item())
-    row = q[i]
-    if not bool(mx.all(mx.isfinite(row)).item()):
-        what = "is not finite (NaN or infinity)"
-    elif bool(mx.any(row < 0).item()):
-        what = f"has a negative probability ({float(mx.min(row).item()):.3g})"
-    else:
-        what = f"gives the drafted token {block[i]} probability {float(at[i].item()):.3g}"
-    raise _bad_draft(state, name, position, f"probs (q) row {i} {what}")
+    what = _q_problem(block, q, at, vals, n_accepted)
+    raise _bad_draft(state, name, position, f"probs (q) {what}")
+
+
+def _q_problem(block: tuple, q: Any, at: Any, vals: list, n_accepted: int) -> str:
+    """In words, what :func:`check_q` found wrong (off the hot path)."""
+    at_l = at.tolist()
+    for i, v in enumerate(at_l):
+        if not math.isfinite(v):
+            return f"row {i} is not finite at the drafted token {block[i]} ({v})"
+        if v <= 0:
+            return f"row {i} gives the drafted token {block[i]} probability {v:.3g}"
+    j = n_accepted
+    if not math.isfinite(vals[2]):
+        return f"row {j} (the first rejected position) is not finite (NaN or infinity)"
+    return f"row {j} (the first rejected position) has a negative probability ({vals[1]:.3g})"

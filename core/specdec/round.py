@@ -189,15 +189,15 @@ def _shadow(state: Any, rnd: Round, name: str, shadow: Any, limit: int) -> None:
     state.stats.shadow_time_s += time.perf_counter() - t0
 
 
-def check_q(state: Any, rnd: Round) -> None:
-    """The settled block's draft probabilities ``q``, when it has them, checked before
-    acceptance (:func:`specdec.guard.check_q`).
+def check_q(state: Any, rnd: Round, n_accepted: int) -> None:
+    """After the acceptor, before the commit: the block's draft probabilities ``q``, when
+    it has them, where acceptance read them (:func:`specdec.guard.check_q`).
 
     Raises:
         DraftError: ``q`` is not finite, negative, or zero at a drafted token.
     """
     if rnd.q is not None and rnd.block:
-        guard.check_q(state, rnd.chosen, rnd.block, rnd.q, rnd.position)
+        guard.check_q(state, rnd.chosen, rnd.block, rnd.q, n_accepted, rnd.position)
 
 
 def count_block(stats: Any, rnd: Round) -> None:

@@ -339,11 +339,11 @@ class SingleDriver:
         try:
             t0 = time.perf_counter()
             phases.settle(rnd, state)
-            phases.check_q(state, rnd)
             if rnd.projected:
                 acc = phases.checked(rnd, phases.accept_rows(stats, rnd), state)
             else:
                 acc = phases.accept(self.pipe.acceptors, rnd, state.sampler, state)
+            phases.check_q(state, rnd, acc.n_accepted)
             t_commit = time.perf_counter()
             stats.wait_time_s += t_commit - t0
             # Lazy: the next forward evaluates what the rollback built (no second sync).

@@ -70,8 +70,10 @@ class FaultOutcome:
 class _Faulty:
     """A drafter whose sessions inject ``fault`` (the first session made only)."""
 
-    def __init__(self, inner: Any, fault: str, nth: int):
+    def __init__(self, inner: Any, fault: str, nth: int, prompt: list, reference: list):
         self._inner, self._fault, self._nth = inner, fault, nth
+        # plain decoding's continuation: a drafted token it would not choose is rejected
+        self._expected = prompt + reference
         self.sessions = 0
         self.injected = 0
 
@@ -110,7 +112,10 @@ class _FaultySession:
             return None
         v, last = self._vocab, int(history[-1])
         k = min(2, max_len)
-        block = [last] * k
+        n = len(history)
+        expected = owner._expected[n] if n < len(owner._expected) else 0
+        wrong = (expected + 1) % v  # rejected at once: acceptance reads q's first row whole
+        block = [wrong] * k
         if fault == "id_vocab_size":
             return Draft(tokens=[*block[:-1], v])
         if fault == "id_negative":
@@ -129,7 +134,7 @@ class _FaultySession:
         elif fault == "q_negative":
             q = mx.where(mx.arange(v) == 0, mx.array(-0.5), q)
         elif fault == "q_zero_at_drafted":
-            q = mx.where(mx.arange(v) == last, mx.array(0.0), q)
+            q = mx.where(mx.arange(v) == wrong, mx.array(0.0), q)
         elif fault == "q_wrong_shape":
             q = mx.full((k, v + 1), 1.0 / (v + 1))
         return Draft(tokens=block, probs=q)
@@ -190,7 +195,7 @@ def check_drafter_faults(
     real = list(spec.drafters)
     outcomes = []
     for fault in chosen:
-        faulty = _Faulty(next(d for d in real if d.name == name), fault, nth)
+        faulty = _Faulty(next(d for d in real if d.name == name), fault, nth, prompt, reference)
         spec.drafters = [faulty if d.name == name else d for d in real]
         try:
             got = spec.generate(prompt, **kw).tokens
