@@ -139,9 +139,11 @@ def test_a_failed_round_restores_the_caches_and_drops_speculative_state(arch, st
         )
         pipe = specdec.assemble(model, policy=pol)
         v = _VERIFIERS[-1]
-        with pytest.raises(_Boom):
+        # the caller gets the failure named (verifier 'failing'), _Boom as its cause
+        with pytest.raises(specdec.ComponentError, match="verifier 'failing'") as e:
             for _ in pipe.stream(prompt, max_tokens=20):
                 pass
+        assert isinstance(e.value.__cause__, _Boom)
         after = [cache_view(c) for c in v.caches]
         assert _compare_views(v.before, after, 0.0, "restored") == 0.0
         assert not any(hasattr(c, "_specdec_gdn_transaction") for c in v.caches)
