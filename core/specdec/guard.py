@@ -193,8 +193,10 @@ def check_q(state: Any, name: str, block: tuple, q: Any, n_accepted: int, positi
         row = q[n_accepted]
         checks += [mx.min(row), mx.sum(row)]
     vals = mx.stack([c.astype(mx.float32) for c in checks]).tolist()
-    if math.isfinite(vals[0]) and vals[0] > 0 and (
-        len(vals) == 1 or (vals[1] >= 0 and math.isfinite(vals[2]))
+    if (
+        math.isfinite(vals[0])
+        and vals[0] > 0
+        and (len(vals) == 1 or (vals[1] >= 0 and math.isfinite(vals[2])))
     ):
         return
     what = _q_problem(block, q, at, vals, n_accepted)
