@@ -231,8 +231,12 @@ def test_rows_can_start_from_a_prompt_cache(llama, prompts):
     assert all(c.offset == len(ids) - 1 for c in cache)
     for b, c in zip(before, cache):
         assert np.array_equal(b, np.array(c.keys[..., : c.offset, :]))
-    with pytest.raises(specdec.RequestError, match="every prompt token but the last"):
+    with pytest.raises(
+        specdec.RequestError, match=f"prompt_cache holds {len(ids) - 1} tokens; the prompt has"
+    ):
         batch.add(ids[:-2], prompt_cache=cache)
+    with pytest.raises(specdec.RequestError, match="every prompt token but the last"):
+        batch.add(ids + [1], prompt_cache=cache)
     with pytest.raises(specdec.RequestError, match="per-layer caches"):
         batch.add(ids, prompt_cache=cache[:1])
 

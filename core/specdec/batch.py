@@ -34,9 +34,15 @@ from .attention import verify_attention
 from .composition import check_batch
 from .coordinate import Solo
 from .errors import PolicyError, RequestError
-from .lifecycle import RequestState, close, open_request, prefill
+from .lifecycle import (
+    RequestState,
+    close,
+    open_request,
+    prefill,
+    prompt_cache_length,
+)
 from .request import Request
-from .roles import BaseDrafterSession, RoundResult, optional
+from .roles import RoundResult, optional
 from .rollback import BatchKVRollback, build_plan
 from .round import Round, RoundKind
 
@@ -66,12 +72,6 @@ class _Member:
     state: RequestState
     cancelled: bool = False
     prompt_cache: Any = None
-
-
-def _reads_prefill(session: Any) -> bool:
-    """Whether a session has a ``prefill`` of its own (not the base class's no-op)."""
-    fn = optional(type(session), "drafter_session", "prefill")
-    return callable(fn) and fn is not BaseDrafterSession.prefill
 
 
 def _merged(caches: list) -> list:
@@ -157,7 +157,8 @@ class Batch:
             prompt_cache: the model's per-layer caches (``make_prompt_cache(model)``)
                 holding every prompt token but the last, e.g. computed once for many
                 requests with the same prompt: the row starts from a copy of it instead
-                of prefilling (not for drafters that read the prompt at prefill).
+                of prefilling (drafter sessions see ``ctx.cached``; no prompt chunk reaches
+                their ``prefill``).
 
         Returns:
             the row id its :class:`BatchEvent` objects carry.
@@ -169,33 +170,20 @@ class Batch:
             raise RequestError("on_round is not available for rows of a batch")
         state = self.pipeline.request_state(prompt, request, kwargs)
         if prompt_cache is not None:
-            self._check_prompt_cache(prompt_cache, len(state.history) - 1)
+            self._check_prompt_cache(prompt_cache, len(state.history))
+            state.cached = state.stats.cached_tokens = len(state.history) - 1
         rid = self._next
         self._next += 1
         self._pending.append(_Member(rid, state, prompt_cache=prompt_cache))
         return rid
 
-    def _check_prompt_cache(self, caches: Any, length: int) -> None:
-        want = make_prompt_cache(self.pipeline.model)
-        if not isinstance(caches, (list, tuple)) or len(caches) != len(want):
+    def _check_prompt_cache(self, caches: Any, prompt_len: int) -> None:
+        held = prompt_cache_length(self.pipeline.model, caches, prompt_len)
+        if held != prompt_len - 1:
             raise RequestError(
-                f"prompt_cache must be a list of the model's {len(want)} per-layer caches "
-                "(mlx_lm.models.cache.make_prompt_cache(model)), got "
-                f"{type(caches).__name__}"
-                + (f" of {len(caches)}" if isinstance(caches, (list, tuple)) else "")
+                f"prompt_cache holds {held} tokens; a row of a batch starts from one that "
+                f"holds every prompt token but the last: {prompt_len - 1}"
             )
-        for i, (c, w) in enumerate(zip(caches, want)):
-            if type(c) is not type(w):
-                raise RequestError(
-                    f"prompt_cache layer {i} is a {type(c).__name__}; the model's is a "
-                    f"{type(w).__name__}"
-                )
-            offset = getattr(c, "offset", None)
-            if isinstance(offset, int) and offset != length:
-                raise RequestError(
-                    f"prompt_cache holds {offset} tokens (layer {i}); it must hold every "
-                    f"prompt token but the last: {length}"
-                )
 
     def cancel(self, rid: int) -> bool:
         """Drop a request: a queued one at once, a running one before the next round.
@@ -265,12 +253,6 @@ class Batch:
             prefill(pipe, state, Solo())
             merged = _merged(state.caches)
         else:
-            readers = [n for n, s in state.sessions if _reads_prefill(s)]
-            if readers:
-                raise RequestError(
-                    f"drafter {readers[0]!r} reads the prompt while it is prefilled; it "
-                    "cannot start from a prompt_cache"
-                )
             merged = _merged(m.prompt_cache)  # copies: the given caches stay as they were
         if self._caches is None:
             plan = build_plan(pipe.host, merged, model=pipe.model, policy=pipe.policy)

@@ -17,14 +17,22 @@ from mlx_lm.models.cache import make_prompt_cache
 from . import guard
 from .attention import verify_attention
 from .emit import Emitter
-from .errors import ComponentError, SpecdecError
+from .errors import ComponentError, RequestError, SpecdecError
 from .request import Request
 from .roles import PrefillChunk, RequestContext, VerifyResult, optional
 from .rollback import RollbackPlan, build_plan
 from .sampling import Sampler
 from .stats import Stats
 
-__all__ = ["RequestState", "close", "finish_stats", "new_state", "open_request", "prefill"]
+__all__ = [
+    "RequestState",
+    "close",
+    "finish_stats",
+    "new_state",
+    "open_request",
+    "prefill",
+    "prompt_cache_length",
+]
 
 
 @attrs.define
@@ -49,6 +57,8 @@ class RequestState:
         away_s: seconds the stream spent suspended at its yields (its consumer's time),
             left out of the round times the cost model learns from.
         prefill_forwards: prefill forwards run.
+        cached: prompt tokens the caches held when the request began (a ``prompt_cache``):
+            the prefill feeds only the ones after them.
         history_array: the history as an ``mx.array`` (kept only while processors need it).
         host: the plugin host (names components in errors).
         heads: the draft heads by drafter name.
@@ -71,26 +81,83 @@ class RequestState:
     t_start: float = 0.0
     away_s: float = 0.0
     prefill_forwards: int = 0
+    cached: int = 0
     history_array: Any = None
     host: Any = None
     heads: dict = attrs.field(factory=dict)
     vocab_size: int = 0
 
 
-def new_state(pipe: Any, request: Request, ids: list[int]) -> RequestState:
-    """A request's state: its sampler and processors built, fresh caches; no session yet."""
+def new_state(
+    pipe: Any, request: Request, ids: list[int], prompt_cache: list | None = None
+) -> RequestState:
+    """A request's state: its sampler and processors built, fresh caches (or
+    ``prompt_cache``, checked with :func:`prompt_cache_length`, used in place); no
+    session yet.
+
+    Raises:
+        RequestError: ``prompt_cache`` is not the model's caches or holds too much.
+    """
+    cached = 0 if prompt_cache is None else prompt_cache_length(pipe.model, prompt_cache, len(ids))
+    stats = Stats(policy=pipe.policy.name, prompt_tokens=len(ids), verifier=pipe.verifier.name)
+    stats.cached_tokens = cached
     return RequestState(
         request=request,
         history=ids,
         sampler=request.sampler(),
-        caches=make_prompt_cache(pipe.model),
-        stats=Stats(policy=pipe.policy.name, prompt_tokens=len(ids), verifier=pipe.verifier.name),
+        caches=make_prompt_cache(pipe.model) if prompt_cache is None else prompt_cache,
+        cached=cached,
+        stats=stats,
         processors=request.processors(),
         stop_ids=request.stop_ids(pipe.tokenizer),
         host=pipe.host,
         heads=pipe.heads,
         vocab_size=pipe.vocab_size,
     )
+
+
+def prompt_cache_length(model: Any, caches: Any, prompt_len: int) -> int:
+    """How many tokens ``caches`` (a ``prompt_cache``: the model's per-layer caches,
+    ``mlx_lm.models.cache.make_prompt_cache(model)``, after earlier requests) hold: the
+    prompt's first tokens, of which it must hold at most all but the last.
+
+    Raises:
+        RequestError: not a list of the model's per-layer caches (layer count and types),
+            layers that hold different lengths, no layer that tells its length, or as
+            many tokens as the prompt has or more.
+    """
+    want = make_prompt_cache(model)
+    if not isinstance(caches, (list, tuple)) or len(caches) != len(want):
+        raise RequestError(
+            f"prompt_cache must be a list of the model's {len(want)} per-layer caches "
+            "(mlx_lm.models.cache.make_prompt_cache(model)), got "
+            f"{type(caches).__name__}"
+            + (f" of {len(caches)}" if isinstance(caches, (list, tuple)) else "")
+        )
+    lengths = set()
+    for i, (c, w) in enumerate(zip(caches, want)):
+        if type(c) is not type(w):
+            raise RequestError(
+                f"prompt_cache layer {i} is a {type(c).__name__}; the model's is a "
+                f"{type(w).__name__} (a cache of another model?)"
+            )
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            lengths.add(offset)
+    if len(lengths) != 1:
+        raise RequestError(
+            f"prompt_cache layers hold different numbers of tokens: {sorted(lengths)}"
+            if lengths
+            else "prompt_cache has no layer that tells how many tokens it holds"
+        )
+    n = lengths.pop()
+    if n > prompt_len - 1:
+        raise RequestError(
+            f"prompt_cache holds {n} tokens; the prompt has {prompt_len}: the cache must "
+            "hold the prompt's first tokens, at most all but the last (give the whole "
+            "conversation as the prompt, the cache holding what an earlier request fed)"
+        )
+    return n
 
 
 def open_request(
@@ -138,6 +205,7 @@ def open_request(
         verifier=pipe.verifier,
         plan=plan,
         row=row,
+        cached=state.cached,
     )
     if state.cost is not None:
         common["cost"] = state.cost
@@ -234,7 +302,7 @@ def prefill(pipe: Any, state: RequestState, coord: Any) -> None:
         if callable(fn := optional(s, "drafter_session", "prefill"))
     ]
     failed: BaseException | None = None
-    for start in range(0, len(prompt) - 1, step):
+    for start in range(state.cached, len(prompt) - 1, step):
         chunk = prompt[start : min(start + step, len(prompt) - 1)]
         state.prefill_forwards += 1
         if failed is not None:

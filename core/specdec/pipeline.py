@@ -248,11 +248,12 @@ class Pipeline:
         prompt: str | Sequence[int],
         request: Request | None = None,
         kwargs: dict | None = None,
+        prompt_cache: list | None = None,
     ) -> RequestState:
         """A request's decode state: its arguments checked (a :class:`specdec.Request`,
         or built from ``kwargs``) against this pipeline's policy, its prompt tokenized,
-        fresh caches; no session yet. Used by the drivers; everything fails here,
-        before any model work.
+        fresh caches or ``prompt_cache`` (checked); no session yet. Used by the drivers;
+        everything fails here, before any model work.
 
         Raises:
             RequestError: a bad argument.
@@ -267,7 +268,12 @@ class Pipeline:
             )
         self._check_policy(request)
         ids = prompt_ids(prompt, self.tokenizer, model_vocab_size(self.model))
-        return new_state(self, request, ids)
+        if prompt_cache is not None and self.ranks is not None:
+            raise RequestError(
+                "prompt_cache is not available on a model sharded across ranks (each rank "
+                "holds its own shard of the caches)"
+            )
+        return new_state(self, request, ids, prompt_cache)
 
     def _check_policy(self, request: Request) -> None:
         if self.policy.acceptor == "greedy" and request.temperature > 0:
@@ -376,6 +382,7 @@ class Pipeline:
         prompt: str | Sequence[int],
         request: Request | None = None,
         *,
+        prompt_cache: list | None = None,
         on_round: Callable[[RoundResult, list], None] | None = None,
         **kwargs: Any,
     ) -> Iterator[StreamResponse]:
@@ -389,6 +396,17 @@ class Pipeline:
                 ``stop``, ``stop_tokens``, ``logits_processors``, ``repetition_penalty``,
                 ``repetition_context_size``, ``presence_penalty``, ``frequency_penalty``,
                 ``logit_bias``, ``prefill_step_size`` (see :class:`specdec.Request`).
+            prompt_cache: the model's per-layer caches
+                (``mlx_lm.models.cache.make_prompt_cache(model)``) holding the prompt's
+                first tokens, as mlx-lm's ``stream_generate`` takes one: only the rest of
+                the prompt is prefilled, and the cache is used in place (after the
+                request it holds the prompt and the output, so the next turn of a
+                conversation, given as the whole conversation, prefills only what is
+                new). Which tokens it holds is the caller's word: give a prompt that
+                starts with them. Drafters that read the prompt while it is prefilled
+                (a model head's ``prefill``) cannot start from one (``RequestError``);
+                text drafters (``ngram_copy``) and ``draft_model`` see the whole prompt.
+                ``stats.cached_tokens`` says how many tokens it held.
             on_round: debug hook called after each round (plain or speculative: the same
                 loop) with ``(RoundResult, caches)``, the caches committed and holding
                 every committed token but the last. Plain decoding queues its next
@@ -401,7 +419,7 @@ class Pipeline:
         Raises:
             RequestError: bad arguments, before any model work.
         """
-        state = self.request_state(prompt, request, kwargs)
+        state = self.request_state(prompt, request, kwargs, prompt_cache)
         return SingleDriver(self, state, self.coordinator(), on_round).run()
 
     def coordinator(self) -> Coordinator:

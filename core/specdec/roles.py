@@ -202,6 +202,10 @@ class RequestContext:
             width costs at each context length, and what a round and a drafted round
             cost beyond it: ``round_overhead_s``, ``draft_overhead_s(drafter)``) when
             the drafter asked for it with ``uses_verify_cost``; ``None`` otherwise.
+        cached: how many of the prompt's first tokens the caches held already when the
+            request began (a ``prompt_cache``; 0 otherwise): they are not prefilled, so
+            ``prefill`` sees chunks from this position on, and a session that needs the
+            target's hidden states of earlier positions starts without them.
     """
 
     model: Any
@@ -217,6 +221,7 @@ class RequestContext:
     head: Any = None
     plan: Any = None
     cost: Any = None
+    cached: int = 0
 
 
 @runtime_checkable

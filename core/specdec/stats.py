@@ -12,6 +12,7 @@ class Stats:
     Attributes:
         policy: the policy's name.
         prompt_tokens: prompt length in tokens.
+        cached_tokens: prompt tokens a ``prompt_cache`` held already (not prefilled).
         generation_tokens: tokens emitted.
         target_forwards: rounds during decoding, each one target forward whose result was
             used, or two for a block fed on a round queued ahead (``lookahead_extended``);
@@ -78,6 +79,7 @@ class Stats:
 
     policy: str = "none"
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     generation_tokens: int = 0
     target_forwards: int = 0
     drafted: int = 0
@@ -142,8 +144,9 @@ class Stats:
 
     @property
     def prompt_tps(self) -> float:
-        """Prompt tokens per second of prefill."""
-        return self.prompt_tokens / self.prompt_time_s if self.prompt_time_s > 0 else 0.0
+        """Prompt tokens prefilled (those a ``prompt_cache`` held left out) per second."""
+        fed = self.prompt_tokens - self.cached_tokens
+        return fed / self.prompt_time_s if self.prompt_time_s > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:

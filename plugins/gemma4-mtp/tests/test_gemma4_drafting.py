@@ -134,3 +134,23 @@ def test_a_faulty_assistant_drafter_ends_in_a_named_error_or_identical_output(tr
     model, folder, seqs, _ = trained("gemma4", "dense")
     outcomes = check_drafter_faults(model, policy(folder), seqs[0][:8], max_tokens=16)
     assert {o.fault for o in outcomes} == set(FAULTS)
+
+
+def test_a_conversation_continued_from_its_prompt_cache(trained):
+    # Turn 2 starts from the cache turn 1 left (only the new tokens prefilled): the
+    # assistant reads the target's K/V, which the cache holds, and drafts as from scratch.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, folder, seqs, _ = trained("gemma4", "dense")
+    pipe = specdec.assemble(model, policy=policy(folder))
+    plain = specdec.assemble(model, policy="none")
+    cache = make_prompt_cache(model)
+    turn1 = pipe.generate(seqs[0][:8], prompt_cache=cache, max_tokens=12)
+    held = next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))
+    second = seqs[0][: held + 6]
+    assert second[: 8 + len(turn1.tokens)] == seqs[0][:8] + turn1.tokens
+    turn2 = pipe.generate(second, prompt_cache=cache, max_tokens=20)
+    fresh = pipe.generate(second, max_tokens=20)
+    assert turn2.tokens == fresh.tokens == plain.generate(second, max_tokens=20).tokens
+    assert turn2.stats.cached_tokens == held
+    assert turn2.stats.drafted > 0 and turn2.stats.accepted > 0

@@ -193,6 +193,27 @@ def test_a_faulty_mtp_drafter_ends_in_a_named_error_or_identical_output(trained)
     assert {o.fault for o in outcomes} == set(FAULTS)
 
 
+def test_a_conversation_continued_from_its_prompt_cache(trained):
+    # Turn 2 starts from the cache turn 1 left: only the new tokens are prefilled, the
+    # head's own cache starts at the first of them, and it still drafts and is accepted.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _, seqs = trained("qwen3_5")
+    pipe = specdec.assemble(model, policy=MTP)
+    plain = specdec.assemble(model, policy="none")
+    cache = make_prompt_cache(model)
+    turn1 = pipe.generate(seqs[0][:8], prompt_cache=cache, max_tokens=12)
+    held = next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))
+    second = seqs[0][: held + 6]  # the trained text goes on: what turn 1 wrote, and more
+    assert second[: 8 + len(turn1.tokens)] == seqs[0][:8] + turn1.tokens
+    turn2 = pipe.generate(second, prompt_cache=cache, max_tokens=20)
+    assert turn2.tokens == plain.generate(second, max_tokens=20).tokens
+    assert turn2.stats.cached_tokens == held
+    st = turn2.stats.per_drafter["qwen_mtp"]
+    assert st["head_context_from"] == held and st["hidden_gaps"] == 0
+    assert turn2.stats.drafted > 0 and turn2.stats.accepted > 0
+
+
 def test_greedy_identity_on_text_the_head_never_saw(trained):
     model, _, _ = trained("qwen3_5")
     prompt = [5, 9, 2, 33, 17, 40, 1, 8]

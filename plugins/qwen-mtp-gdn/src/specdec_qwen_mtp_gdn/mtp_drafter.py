@@ -172,7 +172,12 @@ class QwenMTPSession(BaseDrafterSession):
         self.head = ctx.head
         self.sampler = ctx.sampler
         self.tokens: list[int] = list(ctx.prompt_tokens)  # prompt + committed
-        self.fed = 0  # head cache entries: positions 0 .. fed-1
+        # head cache entries: positions cached .. fed-1. A request that starts from a
+        # prompt_cache has no hidden states for the positions it held: the head's own
+        # cache starts at the first position prefilled (attention is relative, so a
+        # shorter context for the head, never a wrong position).
+        self.cached = ctx.cached
+        self.fed = ctx.cached
         self.pending: list[mx.array] = []  # true hidden rows for positions fed, fed+1, ...
         self.pending_n = 0
         self.seed: mx.array | None = None  # head output at position fed-1 (predicts fed+1)
@@ -297,6 +302,7 @@ class QwenMTPSession(BaseDrafterSession):
             "mtp_accepted": self.accepted_total,
             **self.adapt.stats(),
             "hidden_gaps": self.gaps,
+            "head_context_from": self.cached,
             "mtp": dict(self.d.info),
         }
 
