@@ -235,10 +235,38 @@ def test_rows_can_start_from_a_prompt_cache(llama, prompts):
         specdec.RequestError, match=f"prompt_cache holds {len(ids) - 1} tokens; the prompt has"
     ):
         batch.add(ids[:-2], prompt_cache=cache)
-    with pytest.raises(specdec.RequestError, match="every prompt token but the last"):
-        batch.add(ids + [1], prompt_cache=cache)
     with pytest.raises(specdec.RequestError, match="per-layer caches"):
         batch.add(ids, prompt_cache=cache[:1])
+
+
+def test_rows_can_start_from_a_cache_holding_a_prefix(llama, prompts):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = prompts[2]
+    cache = make_prompt_cache(llama)
+    llama(mx.array(ids[:5])[None], cache=cache)  # a shared prefix (a system prompt)
+    before = [np.array(c.keys[..., : c.offset, :]) for c in cache]
+    pipe = specdec.assemble(llama, None, "ngram")
+    plain = specdec.assemble(llama, None, "none")
+    batch = pipe.batch(2)
+    longer = ids + ids[:6]
+    rows = {batch.add(p, prompt_cache=cache, max_tokens=20): p for p in (ids, longer)}
+    got: dict = {}
+    stats = {}
+    while len(batch):
+        for ev in batch.step():
+            assert ev.error is None, ev.error
+            if not ev.response.is_stop_token:
+                got.setdefault(ev.row, []).append(ev.response.token)
+            if ev.response.stats is not None:
+                stats[ev.row] = ev.response.stats
+    for rid, p in rows.items():
+        assert got[rid] == plain.generate(p, max_tokens=20).tokens
+        assert stats[rid].cached_tokens == 5
+    # the given cache is copied, never written
+    assert all(c.offset == 5 for c in cache)
+    for b, c in zip(before, cache):
+        assert np.array_equal(b, np.array(c.keys[..., : c.offset, :]))
 
 
 def test_a_request_that_fails_to_join_leaves_the_running_rows_intact(llama, prompts, monkeypatch):

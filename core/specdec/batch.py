@@ -20,6 +20,7 @@ entries per row move, never the whole cache (see :class:`specdec.rollback.BatchK
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -155,10 +156,11 @@ class Batch:
         Args:
             prompt: text or token ids.
             prompt_cache: the model's per-layer caches (``make_prompt_cache(model)``)
-                holding every prompt token but the last, e.g. computed once for many
-                requests with the same prompt: the row starts from a copy of it instead
-                of prefilling (drafter sessions see ``ctx.cached``; no prompt chunk reaches
-                their ``prefill``).
+                holding the prompt's first tokens (at most all but the last), e.g.
+                computed once for many requests with the same prompt or prefix: the row
+                starts from a copy of it (the given caches are never written) and
+                prefills only the rest (drafter sessions see ``ctx.cached``; prompt
+                chunks reach their ``prefill`` from that position on).
 
         Returns:
             the row id its :class:`BatchEvent` objects carry.
@@ -170,20 +172,12 @@ class Batch:
             raise RequestError("on_round is not available for rows of a batch")
         state = self.pipeline.request_state(prompt, request, kwargs)
         if prompt_cache is not None:
-            self._check_prompt_cache(prompt_cache, len(state.history))
-            state.cached = state.stats.cached_tokens = len(state.history) - 1
+            held = prompt_cache_length(self.pipeline.model, prompt_cache, len(state.history))
+            state.cached = state.stats.cached_tokens = held
         rid = self._next
         self._next += 1
         self._pending.append(_Member(rid, state, prompt_cache=prompt_cache))
         return rid
-
-    def _check_prompt_cache(self, caches: Any, prompt_len: int) -> None:
-        held = prompt_cache_length(self.pipeline.model, caches, prompt_len)
-        if held != prompt_len - 1:
-            raise RequestError(
-                f"prompt_cache holds {held} tokens; a row of a batch starts from one that "
-                f"holds every prompt token but the last: {prompt_len - 1}"
-            )
 
     def cancel(self, rid: int) -> bool:
         """Drop a request: a queued one at once, a running one before the next round.
@@ -250,6 +244,10 @@ class Batch:
         pipe, state = self.pipeline, m.state
         open_request(pipe, state, off_reason=self.off_reason, row=m.rid, reset_peak=not self._rows)
         if m.prompt_cache is None:
+            prefill(pipe, state, Solo())
+            merged = _merged(state.caches)
+        elif state.cached < len(state.history) - 1:  # a prefix: prefill the rest on a copy
+            state.caches = copy.deepcopy(m.prompt_cache)
             prefill(pipe, state, Solo())
             merged = _merged(state.caches)
         else:
