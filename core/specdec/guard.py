@@ -31,12 +31,13 @@ import mlx.core as mx
 from .errors import ComponentError, DraftError, SpecdecError
 
 __all__ = [
+    "blame",
     "check_draft",
     "check_ids",
-    "blame",
     "check_q",
     "component_error",
     "describe",
+    "named_error",
 ]
 
 
@@ -51,9 +52,9 @@ def describe(host: Any, role: str, name: str | None) -> str:
 
 
 def _where(state: Any, position: int | None) -> tuple[int, str]:
-    n = state.stats.target_forwards + 1 if position is not None else 0
     if position is None:
         return 0, "while opening the request"
+    n = state.stats.target_forwards + 1
     return n, f"in round {n} (position {position})"
 
 
@@ -65,25 +66,54 @@ def _label(state: Any, role: str, name: str | None) -> str:
     return label
 
 
-def _dist(state: Any, role: str, name: str | None) -> str:
-    info = state.host.components.get(role, {}).get(name)
+def _dist(host: Any, role: str, name: str | None) -> str:
+    info = host.components.get(role, {}).get(name)
     return "" if info is None else f"{info.distribution} {info.version}"
+
+
+def named_error(
+    host: Any,
+    role: str,
+    name: str | None,
+    call: str,
+    exc: BaseException,
+    *,
+    label: str | None = None,
+    where: str = "",
+    round: int = 0,
+    position: int | None = None,
+) -> ComponentError:
+    """The :class:`specdec.ComponentError` for ``exc`` raised by ``name``'s ``call``:
+    ``"<label> raised in <call>() <where>: <type>: <message>"`` (``label`` defaults to
+    :func:`describe`'s)."""
+    return ComponentError(
+        f"{label or describe(host, role, name)} raised in {call}()"
+        f"{' ' + where if where else ''}: {type(exc).__name__}: {exc}",
+        role=role,
+        component=name or "",
+        distribution=_dist(host, role, name),
+        round=round,
+        position=position,
+        call=call,
+    )
 
 
 def component_error(
     state: Any, role: str, name: str | None, call: str, exc: BaseException, position: int | None
 ) -> ComponentError:
-    """A :class:`specdec.ComponentError` for ``exc`` raised by ``name``'s ``call``, naming
-    them, the round and the position."""
+    """:func:`named_error` for a request's component: the round and the position named,
+    a drafter's draft head too."""
     n, where = _where(state, position)
-    return ComponentError(
-        f"{_label(state, role, name)} raised in {call}() {where}: {type(exc).__name__}: {exc}",
-        role=role,
-        component=name or "",
-        distribution=_dist(state, role, name),
+    return named_error(
+        state.host,
+        role,
+        name,
+        call,
+        exc,
+        label=_label(state, role, name),
+        where=where,
         round=n,
         position=position,
-        call=call,
     )
 
 
@@ -104,7 +134,7 @@ def _bad_draft(state: Any, name: str, position: int, what: str) -> DraftError:
         f"{_label(state, 'drafter', name)} proposed a bad draft {where}: {what}",
         role="drafter",
         component=name,
-        distribution=_dist(state, "drafter", name),
+        distribution=_dist(state.host, "drafter", name),
         round=n,
         position=position,
         call="propose",
@@ -199,11 +229,11 @@ def check_q(state: Any, name: str, block: tuple, q: Any, n_accepted: int, positi
         and (len(vals) == 1 or (vals[1] >= 0 and math.isfinite(vals[2])))
     ):
         return
-    what = _q_problem(block, q, at, vals, n_accepted)
+    what = _q_problem(block, at, vals, n_accepted)
     raise _bad_draft(state, name, position, f"probs (q) {what}")
 
 
-def _q_problem(block: tuple, q: Any, at: Any, vals: list, n_accepted: int) -> str:
+def _q_problem(block: tuple, at: Any, vals: list, n_accepted: int) -> str:
     """In words, what :func:`check_q` found wrong (off the hot path)."""
     at_l = at.tolist()
     for i, v in enumerate(at_l):

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from . import guard
 from .attention import verify_attention
 from .emit import Emitter
-from .errors import ComponentError, RequestError, SpecdecError
+from .errors import RequestError, SpecdecError
 from .request import Request
 from .roles import PrefillChunk, RequestContext, VerifyResult, optional
 from .rollback import RollbackPlan, build_plan
@@ -276,15 +276,8 @@ def verify(pipe: Any, tokens: mx.array, caches: list) -> VerifyResult:
         except Exception as exc:
             if isinstance(exc, SpecdecError):
                 raise
-            info = pipe.host.components["verifier"].get(pipe.verifier.name)
-            where = "" if info is None else f" ({info.distribution} {info.version})"
-            raise ComponentError(
-                f"verifier {pipe.verifier.name!r}{where} raised in verify(): "
-                f"{type(exc).__name__}: {exc}",
-                role="verifier",
-                component=pipe.verifier.name,
-                distribution=where.strip(" ()"),
-                call="verify",
+            raise guard.named_error(
+                pipe.host, "verifier", pipe.verifier.name, "verify", exc
             ) from exc
 
 

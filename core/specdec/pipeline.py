@@ -267,7 +267,7 @@ class Pipeline:
                 f"(got request= and {sorted(kwargs)})"
             )
         self._check_policy(request)
-        ids = prompt_ids(prompt, self.tokenizer, model_vocab_size(self.model))
+        ids = prompt_ids(prompt, self.tokenizer, self.vocab_size or None)
         if prompt_cache is not None and self.ranks is not None:
             raise RequestError(
                 "prompt_cache is not available on a model sharded across ranks (each rank "
@@ -403,9 +403,9 @@ class Pipeline:
                 request it holds the prompt and the output, so the next turn of a
                 conversation, given as the whole conversation, prefills only what is
                 new). Which tokens it holds is the caller's word: give a prompt that
-                starts with them. Drafters that read the prompt while it is prefilled
-                (a model head's ``prefill``) cannot start from one (``RequestError``);
-                text drafters (``ngram_copy``) and ``draft_model`` see the whole prompt.
+                starts with them. Drafter sessions see ``ctx.cached`` and ``prefill``
+                chunks from that position on (``ngram_copy`` and ``draft_model`` use the
+                whole prompt; ``qwen_mtp`` starts its head cache there).
                 ``stats.cached_tokens`` says how many tokens it held.
             on_round: debug hook called after each round (plain or speculative: the same
                 loop) with ``(RoundResult, caches)``, the caches committed and holding

@@ -396,10 +396,8 @@ class PluginHost:
         except Exception:  # noqa: BLE001 - an annotation that cannot be evaluated here
             try:
                 sig = inspect.signature(info.factory)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError):  # builtins without a signature: call and see
                 sig = None
-        except (TypeError, ValueError):  # builtins without a signature: call and see
-            sig = None
         if sig is not None:
             try:
                 sig.bind(**options)
