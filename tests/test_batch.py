@@ -302,3 +302,49 @@ def test_a_request_that_fails_to_join_leaves_the_running_rows_intact(llama, prom
             got[ev.row].append(ev.response.token)
     assert got[a] == plain.generate(prompts[0], max_tokens=20).tokens
     assert got[b] == plain.generate(prompts[2], max_tokens=20).tokens
+
+
+def test_rows_hand_back_their_caches_for_reuse(llama, prompts):
+    """keep_cache: the prompt's caches on a row's first event, the whole request's on its
+    last; continued from either, a longer prompt decodes as it does from scratch, also
+    from a row whose entries a ragged rollback reordered (used whole, not trimmed)."""
+    import copy
+
+    batch = specdec.assemble(llama, None, "ngram").batch(4)
+    plain = specdec.assemble(llama, None, "none")
+    rows = {batch.add(p, max_tokens=20, keep_cache=True): p for p in prompts}
+    snaps: dict = {rid: [] for rid in rows}
+    out: dict = {rid: [] for rid in rows}
+    accepted = 0
+    while len(batch):
+        for ev in batch.step():
+            assert ev.error is None, ev.error
+            snaps[ev.row].extend(ev.caches)
+            out[ev.row].append(ev.response.token)
+            if ev.response.stats is not None:
+                accepted += ev.response.stats.accepted
+    assert accepted > 0
+    unordered = 0
+    for rid, p in rows.items():
+        first, last = snaps[rid]
+        assert first.ordered and first.tokens == tuple(p[:-1])
+        assert all(c.offset == len(p) - 1 for c in first.caches)
+        # the whole request: the prompt, then what it committed (at most all it emitted)
+        assert last.tokens == tuple([*p, *out[rid]][: len(last.tokens)])
+        assert len(last.tokens) >= len(p) + len(out[rid]) - 1
+        unordered += not last.ordered
+        more = [*last.tokens, *p[:7]]
+        want = plain.generate(more, max_tokens=12).tokens
+        got = plain.generate(more, max_tokens=12, prompt_cache=copy.deepcopy(last.caches))
+        assert got.tokens == want and got.stats.cached_tokens == len(last.tokens)
+        # the prompt's caches, trimmed to a shorter prefix, serve another prompt
+        fork = [*p[:-3], *p[:4]]
+        cache = copy.deepcopy(first.caches)
+        for c in cache:
+            c.trim(2)
+        assert plain.generate(fork, max_tokens=8, prompt_cache=cache).tokens == (
+            plain.generate(fork, max_tokens=8).tokens
+        )
+    assert unordered > 0  # rows that drafted while another did not keep fewer entries
+    with pytest.raises(specdec.RequestError, match="keep_cache must be True or False"):
+        batch.add(prompts[0], keep_cache=1)

@@ -59,7 +59,7 @@ from . import (
     verifiers,
 )
 from .assembly import assemble
-from .batch import Batch, BatchEvent
+from .batch import Batch, BatchEvent, CacheSnapshot
 from .errors import (
     ComponentError,
     DistributedError,
@@ -101,12 +101,13 @@ from .roles import (
 from .sampling import Sampler
 from .stats import Stats
 
-__version__ = "0.3.1"
+__version__ = "0.3.2"
 
 __all__ = [
     # building and running a pipeline
     "Batch",
     "BatchEvent",
+    "CacheSnapshot",
     "GenerationResult",
     "Pipeline",
     "Policy",

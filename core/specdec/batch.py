@@ -47,7 +47,30 @@ from .roles import RoundResult, optional
 from .rollback import BatchKVRollback, build_plan
 from .round import Round, RoundKind
 
-__all__ = ["Batch", "BatchEvent", "BatchKVRollback"]
+__all__ = ["Batch", "BatchEvent", "BatchKVRollback", "CacheSnapshot"]
+
+
+@attrs.frozen
+class CacheSnapshot:
+    """A row's caches as one request's (``make_prompt_cache(model)`` layout), for reuse
+    as a later request's ``prompt_cache``: what a row added with ``keep_cache=True``
+    hands back (:attr:`BatchEvent.caches`).
+
+    Attributes:
+        tokens: the token ids the caches hold, in order (the prompt's first tokens,
+            then generated ones).
+        caches: the per-layer caches, the caller's own (the batch keeps no reference).
+        ordered: whether the entries are in position order, so the caches may be
+            trimmed to a prefix of ``tokens`` (``mlx_lm.models.cache.trim_prompt_cache``).
+            A row whose rollback kept fewer entries than another row's in some round
+            may hold its entries in another order (``batch_kv`` moves a few to fill
+            holes; attention does not depend on the order): such caches serve only as
+            a whole, as the prefix of a longer prompt.
+    """
+
+    tokens: tuple[int, ...]
+    caches: list
+    ordered: bool
 
 
 @attrs.frozen
@@ -60,11 +83,16 @@ class BatchEvent:
         error: the exception that ended this row's request (its prompt could not be
             prefilled, a drafter or the acceptor raised, or the round's forward
             failed), or ``None``. The other rows go on.
+        caches: for a row added with ``keep_cache=True``, its caches: the prompt's
+            (taken when the prompt has been prefilled, on the row's first event) and
+            the whole request's (prompt and generated tokens, on its last event); empty
+            otherwise.
     """
 
     row: int
     response: Any = None
     error: BaseException | None = None
+    caches: tuple[CacheSnapshot, ...] = ()
 
 
 @attrs.define
@@ -73,6 +101,21 @@ class _Member:
     state: RequestState
     cancelled: bool = False
     prompt_cache: Any = None
+    keep_cache: bool = False
+    #: snapshots for the row's next event (keep_cache)
+    snapshots: list = attrs.Factory(list)
+    #: some round kept fewer of this row's entries than of another row's
+    ragged: bool = False
+
+
+def _held(caches: list) -> int | None:
+    """The tokens every layer of a request's caches holds, or ``None`` when a layer
+    does not tell or they differ."""
+    lengths = {getattr(c, "offset", None) for c in caches}
+    if len(lengths) != 1:
+        return None
+    n = lengths.pop()
+    return n if isinstance(n, int) else None
 
 
 def _merged(caches: list) -> list:
@@ -147,6 +190,7 @@ class Batch:
         prompt: str | Sequence[int],
         *,
         prompt_cache: list | None = None,
+        keep_cache: bool = False,
         request: Request | None = None,
         **kwargs: Any,
     ) -> int:
@@ -161,6 +205,10 @@ class Batch:
                 starts from a copy of it (the given caches are never written) and
                 prefills only the rest (drafter sessions see ``ctx.cached``; prompt
                 chunks reach their ``prefill`` from that position on).
+            keep_cache: hand the row's caches back as :class:`CacheSnapshot` objects
+                (:attr:`BatchEvent.caches`): the prompt's once it is prefilled, the
+                whole request's when it finishes (not when it fails or is cancelled),
+                e.g. for a server's prefix cache.
 
         Returns:
             the row id its :class:`BatchEvent` objects carry.
@@ -176,7 +224,9 @@ class Batch:
             state.cached = state.stats.cached_tokens = held
         rid = self._next
         self._next += 1
-        self._pending.append(_Member(rid, state, prompt_cache=prompt_cache))
+        if not isinstance(keep_cache, bool):
+            raise RequestError(f"keep_cache must be True or False, got {keep_cache!r}")
+        self._pending.append(_Member(rid, state, prompt_cache=prompt_cache, keep_cache=keep_cache))
         return rid
 
     def cancel(self, rid: int) -> bool:
@@ -252,6 +302,11 @@ class Batch:
             merged = _merged(state.caches)
         else:
             merged = _merged(m.prompt_cache)  # copies: the given caches stay as they were
+        if m.keep_cache and state.caches is not m.prompt_cache:
+            # the prefilled caches: the merge copied them, nothing writes them again
+            n = _held(state.caches)
+            if n is not None:
+                m.snapshots.append(CacheSnapshot(tuple(state.history[:n]), state.caches, True))
         if self._caches is None:
             plan = build_plan(pipe.host, merged, model=pipe.model, policy=pipe.policy)
             mx.eval([c.state for c in merged])
@@ -319,6 +374,8 @@ class Batch:
             accept_s.append(time.perf_counter() - t)
             keeps.append(1 if res is None else res.n_accepted + 1)
             results.append(res)
+        for m, k in zip(members, keeps):
+            m.ragged = m.ragged or k < max(keeps)
         t_commit = time.perf_counter()
         try:
             # One count for all rows when they all keep the same (always so without
@@ -344,7 +401,11 @@ class Batch:
                     phases.observe(m.state, res)
                     em = m.state.emitter
                     out = em.push(res.committed, res.n_accepted, res.start_position)
-                    events.extend(BatchEvent(m.rid, response=r) for r in out)
+                    if m.keep_cache and em.done:
+                        m.snapshots.append(self._extract(i, m))
+                    events.extend(BatchEvent(m.rid, response=r) for r in out[:-1])
+                    if out:
+                        events.append(BatchEvent(m.rid, response=out[-1], caches=self._snap(m)))
                     if em.done:
                         gone.append(m)
                     continue
@@ -354,6 +415,25 @@ class Batch:
             gone.append(m)
         self._drop(gone)
         return events
+
+    @staticmethod
+    def _snap(m: _Member) -> tuple[CacheSnapshot, ...]:
+        """The snapshots waiting for ``m``'s next event (taken from it)."""
+        out = tuple(s for s in m.snapshots if s is not None)
+        m.snapshots.clear()
+        return out
+
+    def _extract(self, i: int, m: _Member) -> CacheSnapshot | None:
+        """Row ``i``'s caches as one request's (``None`` where a layer's batch cache
+        has no ``extract``)."""
+        caches = self._caches or []
+        if not all(callable(getattr(c, "extract", None)) for c in caches):
+            return None
+        own = [c.extract(i) for c in caches]
+        n = _held(own)
+        if n is None:
+            return None
+        return CacheSnapshot(tuple(m.state.history[:n]), own, not m.ragged)
 
     def _plan_row(self, i: int, m: _Member, failed: dict[int, BaseException]) -> Round:
         """A row's round: its block planned and settled (a plain row has none); a row

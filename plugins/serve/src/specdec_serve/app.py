@@ -223,11 +223,14 @@ def _generation_error(exc: Exception) -> APIError:
     )
 
 
-def _usage(prompt_len: int, completion: int) -> dict:
+def _usage(prompt_len: int, completion: int, stats: dict) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt's
+    tokens taken from the prefix cache (not prefilled)."""
     return {
         "prompt_tokens": prompt_len,
         "completion_tokens": completion,
         "total_tokens": prompt_len + completion,
+        "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens") or 0)},
     }
 
 
@@ -266,13 +269,16 @@ class Server:
                 "running": e.running,
                 "policies": list(e.policy_specs),
                 "default_policy": e.default_policy,
+                "prefix_cache": e.prefix.stats() if e.prefix is not None else None,
             },
             status_code=200 if alive else 503,
         )
 
     async def metrics(self, request: Request) -> PlainTextResponse:
         self.engine.metrics.request("/metrics", 200)
-        text = self.engine.metrics.render(self.engine.queue_length, self.engine.running)
+        e = self.engine
+        prefix = e.prefix.stats() if e.prefix is not None else None
+        text = e.metrics.render(e.queue_length, e.running, prefix)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> JSONResponse:
@@ -498,7 +504,7 @@ class Server:
             "created": created,
             "model": self.engine.model_name,
             "choices": [self._choice(chat, "".join(parts), finish, delta=False)],
-            "usage": _usage(n_prompt, n),
+            "usage": _usage(n_prompt, n, stats),
             "specdec": _specdec_object(policy, stats),
         }
         return JSONResponse(body)
@@ -561,7 +567,7 @@ class Server:
                         [self._choice(chat, None if chat else "", finish, delta=True)], **extra
                     )
                     if include_usage:
-                        yield chunk([], usage=_usage(n_prompt, n))
+                        yield chunk([], usage=_usage(n_prompt, n, stats))
                     yield "data: [DONE]\n\n"
                     return
                 else:

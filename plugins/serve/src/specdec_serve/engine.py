@@ -5,7 +5,9 @@ Requests are validated on the event loop (before any model work) and queued as
 each policy whose components support batched rows has a :class:`specdec.Batch`
 of up to ``max_batch`` rows; between rounds new requests join it (their prompt
 is prefilled, then their cache joins the batch's) and finished, failed or
-cancelled ones leave it. Every round is one target forward for all the rows of
+cancelled ones leave it. A prompt that starts with the tokens an earlier request
+held starts from a copy of that request's caches (:class:`PrefixCache`) and
+prefills only the rest. Every round is one target forward for all the rows of
 that policy's batch; batches of different policies take turns, a round each.
 A policy that cannot run rows of a batch (a drafter without ``supports_batch``)
 runs each request alone through ``Pipeline.stream``, a token per turn of the
@@ -27,6 +29,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import specdec
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from .prefix import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PrefixCache
 
 #: Requests decoded together per policy, by default.
 DEFAULT_MAX_BATCH = 8
@@ -53,6 +58,12 @@ class Job:
         self.loop = loop
         self.out: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        #: prompt tokens taken from the prefix cache (set by the worker)
+        self.cached = 0
+        #: token ids committed so far (the worker's, for the prefix cache)
+        self.tokens: list[int] = []
+        #: the caches of a request running alone (filled in place by its stream)
+        self.caches: list | None = None
 
     def emit(self, item: tuple) -> None:
         """Hand ``item`` to the request's coroutine (from the worker thread)."""
@@ -78,6 +89,7 @@ class Metrics:
         self.decode_seconds = 0.0
         self.cancelled = 0
         self.failed = 0
+        self.cached_tokens = 0
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -100,6 +112,7 @@ class Metrics:
         with self.lock:
             self.generated_tokens += int(stats.get("generation_tokens") or 0)
             self.prompt_tokens += int(stats.get("prompt_tokens") or 0)
+            self.cached_tokens += int(stats.get("cached_tokens") or 0)
             for name, d in (stats.get("per_drafter") or {}).items():
                 self.drafted[name] = self.drafted.get(name, 0) + int(d.get("drafted") or 0)
                 self.accepted[name] = self.accepted.get(name, 0) + int(d.get("accepted") or 0)
@@ -111,8 +124,9 @@ class Metrics:
                     a = int(acc[i]) if i < len(acc) else 0
                     self.position_accepted[k] = self.position_accepted.get(k, 0) + a
 
-    def render(self, queue_length: int, running: int) -> str:
-        """The Prometheus text exposition of every metric."""
+    def render(self, queue_length: int, running: int, prefix: dict | None = None) -> str:
+        """The Prometheus text exposition of every metric (``prefix``: the prefix
+        cache's :meth:`PrefixCache.stats`, ``None`` when it is off)."""
 
         def esc(v: str) -> str:
             return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -156,9 +170,34 @@ class Metrics:
             metric(
                 "specdec_prompt_tokens_total",
                 "counter",
-                "Prompt tokens processed.",
+                "Prompt tokens of finished requests (cached ones included).",
                 [("", self.prompt_tokens)],
             )
+            metric(
+                "specdec_prompt_cached_tokens_total",
+                "counter",
+                "Prompt tokens of finished requests taken from the prefix cache (not prefilled).",
+                [("", self.cached_tokens)],
+            )
+            if prefix is not None:
+                metric(
+                    "specdec_prefix_cache_entries",
+                    "gauge",
+                    "Request caches the prefix cache holds.",
+                    [("", prefix["entries"])],
+                )
+                metric(
+                    "specdec_prefix_cache_bytes",
+                    "gauge",
+                    "Bytes of keys and values the prefix cache holds.",
+                    [("", prefix["bytes"])],
+                )
+                metric(
+                    "specdec_prefix_cache_lookups_total",
+                    "counter",
+                    "Requests that looked for a cached prefix, by whether one was found.",
+                    [('{result="hit"}', prefix["hits"]), ('{result="miss"}', prefix["misses"])],
+                )
             metric(
                 "specdec_target_forwards_total",
                 "counter",
@@ -227,6 +266,10 @@ class Engine:
             any preset.
         model_name: the id ``/v1/models`` lists and requests must name (default: the
             model folder's name).
+        max_batch: requests decoded together per policy.
+        prompt_cache_bytes: the prefix cache's bound on keys and values kept (0: no
+            prefix cache).
+        prompt_cache_size: the prefix cache's bound on entries.
     """
 
     def __init__(
@@ -236,10 +279,22 @@ class Engine:
         *,
         model_name: str | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
+        prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
+        prompt_cache_size: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise specdec.PolicyError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        for name, v, low in (
+            ("prompt_cache_bytes", prompt_cache_bytes, 0),
+            ("prompt_cache_size", prompt_cache_size, 1),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise specdec.PolicyError(f"{name} must be an integer >= {low}, got {v!r}")
         self.max_batch = max_batch
+        #: the prefix cache (``None``: off)
+        self.prefix = (
+            PrefixCache(prompt_cache_bytes, prompt_cache_size) if prompt_cache_bytes else None
+        )
         if not policies:
             raise specdec.PolicyError("give at least one policy")
         self._pipes_lock = threading.Lock()
@@ -347,9 +402,11 @@ class Engine:
         """Queue ``job`` for the worker."""
         self.jobs.put(job)
 
-    def close(self) -> None:
-        """Stop the worker after the job it is running."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the worker after the round it is running (waits up to ``timeout`` s)."""
         self.jobs.put(None)
+        if self._worker.is_alive() and threading.current_thread() is not self._worker:
+            self._worker.join(timeout)
 
     @property
     def running(self) -> int:
@@ -420,14 +477,53 @@ class Engine:
             pipe = self.pipe(job.policy)
             pipe.prepare()  # once per pipeline: e.g. the verify cost curve
             b = self._batch(job.policy)
+            caches, job.cached = (
+                (None, 0) if self.prefix is None else self.prefix.fetch(job.prompt_ids)
+            )
             if b is None:
-                self._alone.append((job, pipe.stream(job.prompt_ids, **job.params)))
+                if self.prefix is not None and caches is None:
+                    caches = make_prompt_cache(self.model)  # to keep when it finishes
+                job.caches = caches
+                stream = pipe.stream(job.prompt_ids, prompt_cache=caches, **job.params)
+                self._alone.append((job, stream))
                 return
-            rid = b.add(job.prompt_ids, **job.params)
+            rid = b.add(
+                job.prompt_ids,
+                prompt_cache=caches,
+                keep_cache=self.prefix is not None,
+                **job.params,
+            )
         except Exception as exc:  # this request fails; the server and other requests go on
             self._failed(job, exc)
             return
         self._members[(job.policy, rid)] = job
+
+    def _keep(self, snapshots: Sequence[Any]) -> None:
+        """Put a batch row's cache snapshots into the prefix cache."""
+        if self.prefix is None:
+            return
+        for snap in snapshots:
+            self.prefix.insert(snap.tokens, snap.caches, ordered=snap.ordered)
+
+    def _keep_alone(self, job: Job) -> None:
+        """Put the caches of a request that ran alone into the prefix cache: they hold
+        its prompt and the tokens it committed (trimmed to those it emitted, when a
+        round committed more after its stop)."""
+        caches = job.caches
+        job.caches = None
+        if self.prefix is None or caches is None:
+            return
+        known = [*job.prompt_ids, *job.tokens]
+        lengths = {getattr(c, "offset", None) for c in caches}
+        n = lengths.pop() if len(lengths) == 1 else None
+        if not isinstance(n, int) or n < 1:
+            return
+        if n > len(known):
+            if not can_trim_prompt_cache(caches):
+                return
+            trim_prompt_cache(caches, n - len(known))
+            n = len(known)
+        self.prefix.insert(known[:n], caches, ordered=True)
 
     def _failed(self, job: Job, exc: BaseException) -> None:
         with self.metrics.lock:
@@ -461,6 +557,7 @@ class Engine:
                 del self._members[(policy, ev.row)]
                 self._failed(job, ev.error)
                 continue
+            self._keep(ev.caches)
             r = ev.response
             job.emit(("token", r))
             if r.finish_reason is not None:
@@ -485,10 +582,13 @@ class Engine:
                 done = True
                 return
             job.emit(("token", r))
+            job.tokens.append(int(r.token))
             if r.finish_reason is not None:
                 done = True
                 stats = r.stats.to_dict() if r.stats is not None else {}
                 self.metrics.finished(stats, alone=True)
+                stream.close()  # a round queued ahead is undone: the caches hold the request
+                self._keep_alone(job)
                 job.emit(("done", stats, r.finish_reason))
         except Exception as exc:  # this request fails; the server and other requests go on
             done = True
@@ -496,4 +596,5 @@ class Engine:
         finally:
             if done:
                 stream.close()
+                job.caches = None
                 self._alone = [(j, s) for j, s in self._alone if j is not job]

@@ -10,6 +10,22 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 
 
+def _size(text: str) -> int:
+    """A byte count: an integer, optionally with a K, M or G suffix (powers of 1024)."""
+    t = text.strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    digits = t[:-1] if scale > 1 else t
+    try:
+        n = float(digits)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count such as 2G, 512M or 1000000, got {text!r}"
+        ) from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a byte count cannot be negative, got {text!r}")
+    return int(n * scale)
+
+
 @specdec.hookspecs.hookimpl
 def specdec_register_commands(subparsers):
     """Add ``specdec serve``."""
@@ -52,6 +68,20 @@ def specdec_register_commands(subparsers):
         "components cannot run rows of a batch run each request alone, taking turns",
     )
     p.add_argument(
+        "--prompt-cache-bytes",
+        type=_size,
+        default=None,
+        help="bound on the keys and values the prefix cache keeps across requests, in bytes "
+        "or with a K/M/G suffix (default: 2G; 0 turns prefix reuse off). A request whose "
+        "prompt starts with tokens an earlier request held prefills only the rest",
+    )
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=None,
+        help="bound on the request caches the prefix cache keeps (default: 10)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     p.set_defaults(func=cmd_serve)
@@ -70,6 +100,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.prompt_cache_size is not None and args.prompt_cache_size < 1:
+        print(
+            f"specdec serve: error: --prompt-cache-size must be >= 1, got {args.prompt_cache_size}",
+            file=sys.stderr,
+        )
+        return 2
     policies = args.policy or ["none"]
     try:
         for spec in policies:  # every policy checked before the model is loaded
@@ -81,6 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .app import make_app
     from .engine import DEFAULT_MAX_BATCH, Engine
+    from .prefix import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 
     print(
         f"specdec serve: loading {args.model or 'the default model'} ...",
@@ -93,6 +130,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             policies,
             model_name=args.model_name,
             max_batch=args.max_batch or DEFAULT_MAX_BATCH,
+            prompt_cache_bytes=DEFAULT_MAX_BYTES
+            if args.prompt_cache_bytes is None
+            else args.prompt_cache_bytes,
+            prompt_cache_size=args.prompt_cache_size or DEFAULT_MAX_ENTRIES,
         )
     except specdec.SpecdecError as exc:
         print(f"specdec serve: error: {exc}", file=sys.stderr)
@@ -104,6 +145,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if engine.prefix is None:
+        print("specdec serve: prefix reuse is off (--prompt-cache-bytes 0)", file=sys.stderr)
+    else:
+        print(
+            f"specdec serve: prefix cache: up to {engine.prefix.max_entries} request caches, "
+            f"{engine.prefix.max_bytes / (1 << 20):.0f} MiB",
+            file=sys.stderr,
+        )
     for name, why in engine.unbatched.items():
         print(f"specdec serve: policy {name!r} runs one request at a time: {why}", file=sys.stderr)
     try:
