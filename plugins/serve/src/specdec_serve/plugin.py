@@ -85,6 +85,9 @@ def specdec_register_commands(subparsers):
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     p.set_defaults(func=cmd_serve)
+    from .bench import add_parser
+
+    add_parser(subparsers)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
