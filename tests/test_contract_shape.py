@@ -48,6 +48,7 @@ NON_COMPONENT = {
     "KVCache",
     "QuantizedKVCache",
     "merge",
+    "extract",
     "offset",
     "state",
     # mlx-lm models, their config (args) and modules

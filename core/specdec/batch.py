@@ -400,7 +400,8 @@ class Batch:
                 try:
                     phases.observe(m.state, res)
                     em = m.state.emitter
-                    out = em.push(res.committed, res.n_accepted, res.start_position)
+                    logprobs = phases.token_logprobs(m.state, rnd.logits, res.committed)
+                    out = em.push(res.committed, res.n_accepted, res.start_position, logprobs)
                     if m.keep_cache and em.done:
                         m.snapshots.append(self._extract(i, m))
                     events.extend(BatchEvent(m.rid, response=r) for r in out[:-1])

@@ -30,6 +30,10 @@ class StreamResponse:
         stats: the request's :class:`Stats` (final on the last response).
         is_stop_token: the last response of a stream ended by a stop token carries
             that token here; it is not part of the output (as in mlx-lm).
+        logprob: the token's log-probability under the target (a request with
+            ``logprobs``; else ``None``).
+        top_logprobs: the most likely tokens at this position, ``((id, logprob), ...)``
+            most likely first (``logprobs`` of them; ``None`` without ``logprobs``).
     """
 
     text: str
@@ -39,6 +43,8 @@ class StreamResponse:
     finish_reason: str | None = None
     stats: Stats | None = None
     is_stop_token: bool = False
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @attrs.frozen
@@ -134,10 +140,31 @@ class Emitter:
         """Tokens the stream may still emit."""
         return self.max_tokens - self.n_out
 
-    def push(self, tokens: Sequence[int], n_drafted: int, position: int) -> list[StreamResponse]:
+    def push(
+        self,
+        tokens: Sequence[int],
+        n_drafted: int,
+        position: int,
+        logprobs: Sequence[tuple[float, tuple[tuple[int, float], ...]]] | None = None,
+    ) -> list[StreamResponse]:
         """Responses for the tokens a round committed at ``position`` on; the first
-        ``n_drafted`` of them were accepted drafts. After the last response
-        (``finish_reason`` set) :attr:`done` is True and the rest of ``tokens`` is dropped."""
+        ``n_drafted`` of them were accepted drafts; ``logprobs``: each token's
+        ``(logprob, top_logprobs)`` (:func:`specdec.round.token_logprobs`). After the
+        last response (``finish_reason`` set) :attr:`done` is True and the rest of
+        ``tokens`` is dropped."""
+        out = self._push(tokens, n_drafted, position)
+        if logprobs is None:
+            return out
+        return [
+            attrs.evolve(
+                r,
+                logprob=logprobs[r.position - position][0],
+                top_logprobs=logprobs[r.position - position][1],
+            )
+            for r in out
+        ]
+
+    def _push(self, tokens: Sequence[int], n_drafted: int, position: int) -> list[StreamResponse]:
         out: list[StreamResponse] = []
         detok = self.detok
         for i, tok in enumerate(tokens):

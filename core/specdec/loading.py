@@ -107,6 +107,30 @@ def check_model_path(
         )
 
 
+def default_model_path() -> Path:
+    """The folder of the built-in default model (SmolLM2-135M-Instruct, float32), fetched
+    and converted on first use: what ``model=None`` loads, for tools that hand the path
+    to another program (``specdec bench-serve`` gives it to ``mlx_lm.server``).
+
+    Raises:
+        ModelLoadError: it could not be fetched (no network), saying how to point
+            ``--model`` at a local folder instead.
+    """
+    from .models import default_model_path as fetch
+
+    return fetch()
+
+
+def fast_blas_library() -> str | None:
+    """The optimized BLAS library ``import specdec`` bound MLX to in this process (see
+    ``specdec info``), or ``None``: what another MLX process (``mlx_lm.server`` in
+    ``specdec bench-serve``) should ``LD_PRELOAD`` to run the same matmuls."""
+    from .blas import fast_blas_status
+
+    status = fast_blas_status()
+    return status.library if status is not None and status.loaded else None
+
+
 def load_model(
     spec: str | os.PathLike,
     *,

@@ -221,9 +221,13 @@ class Pipeline:
             return self.encode_messages(messages)
         return [int(t) for t in self.tokenizer.encode(text)]
 
-    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
+    def encode_messages(
+        self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None
+    ) -> list[int]:
         """Prompt ids of chat ``messages`` (``{"role", "content"}`` dicts) through the
-        tokenizer's chat template, with the generation prompt added.
+        tokenizer's chat template, with the generation prompt added; ``tools``
+        (OpenAI-style function definitions) are given to the template as its
+        ``tools`` variable.
 
         Raises:
             RequestError: no tokenizer, or a tokenizer without a chat template.
@@ -234,8 +238,9 @@ class Pipeline:
             raise RequestError(
                 "this pipeline's tokenizer has no chat template: pass a plain prompt instead"
             )
+        extra = {} if tools is None else {"tools": list(tools)}
         ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True
+            list(messages), add_generation_prompt=True, tokenize=True, **extra
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]

@@ -60,6 +60,11 @@ class Request:
         repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty,
             logit_bias: as mlx-lm's ``make_logits_processors``.
         prefill_step_size: prompt tokens per prefill forward.
+        logprobs: ``None`` (off), or report each emitted token's log-probability under
+            the target (its verify forward's logits after the logits processors, before
+            temperature and the sampling filters: mlx-lm's ``logprobs``) with this many
+            most likely alternatives (0: the token's own only) on
+            :attr:`StreamResponse.logprob` / ``top_logprobs``.
     """
 
     max_tokens: int = 256
@@ -78,6 +83,7 @@ class Request:
     frequency_penalty: float | None = None
     logit_bias: Mapping[int, float] | None = None
     prefill_step_size: int = 512
+    logprobs: int | None = None
 
     def __attrs_post_init__(self) -> None:
         # Checked in the order users have always seen the errors; normalized after.
@@ -91,6 +97,12 @@ class Request:
         )
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         _prefill_step(self.prefill_step_size)
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 0):
+            raise RequestError(
+                f"logprobs must be None (off) or an integer >= 0 (alternatives per token), "
+                f"got {lp!r}"
+            )
         object.__setattr__(self, "stop_tokens", _stop_tokens(self.stop_tokens))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
 

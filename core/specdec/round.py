@@ -323,6 +323,38 @@ def plain_result(rnd: Round, token: int, verify: VerifyResult | None) -> RoundRe
     )
 
 
+def token_logprobs(
+    state: Any, logits: Any, committed: Sequence[int]
+) -> list[tuple[float, tuple[tuple[int, float], ...]]] | None:
+    """Each committed token's log-probability and the ``state.request.logprobs`` most
+    likely alternatives, from the round's (processed) logits, whose row ``i`` judged
+    ``committed[i]``; ``None`` when the request did not ask for them. The same rows
+    acceptance read: under speculation they are the target's own distribution at each
+    committed position, as plain decoding computes it."""
+    k = state.request.logprobs
+    if k is None or logits is None:
+        return None
+    n = len(committed)
+    rows = logits.reshape(-1, logits.shape[-1])[:n].astype(mx.float32)
+    lp = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    own = mx.take_along_axis(lp, mx.array(list(committed), dtype=mx.int32)[:, None], axis=-1)
+    k = min(k, lp.shape[-1])
+    if k:
+        idx = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(lp, idx, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        idx, vals = (
+            mx.take_along_axis(idx, order, axis=-1),
+            mx.take_along_axis(vals, order, axis=-1),
+        )
+        mx.eval(own, idx, vals)
+        ids, vs = idx.tolist(), vals.tolist()
+    else:
+        mx.eval(own)
+        ids = vs = [[] for _ in range(n)]
+    return [(float(own[i, 0].item()), tuple(zip(ids[i], vs[i]))) for i in range(n)]
+
+
 def observe(state: Any, res: RoundResult) -> None:
     """A committed round: the history grows, the sessions and the governor see it.
 

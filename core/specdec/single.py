@@ -136,7 +136,8 @@ class SingleDriver:
                 phases.observe(state, res)
                 if self.on_round is not None:
                     self.on_round(res, state.caches)
-                for r in em.push(res.committed, res.n_accepted, res.start_position):
+                logprobs = phases.token_logprobs(state, rnd.logits, res.committed)
+                for r in em.push(res.committed, res.n_accepted, res.start_position, logprobs):
                     t_away = time.perf_counter()
                     yield r
                     state.away_s += time.perf_counter() - t_away  # the consumer's time
@@ -175,7 +176,11 @@ class SingleDriver:
             y = state.sampler.sample_lazy(logits[-1:], position)
             self._launch(y)
             return Round(
-                kind=RoundKind.PLAIN, position=position, token=y, t_launch=time.perf_counter()
+                kind=RoundKind.PLAIN,
+                position=position,
+                token=y,
+                t_launch=time.perf_counter(),
+                logits=logits if state.request.logprobs is not None else None,
             )
         rnd = Round(kind=RoundKind.SPECULATIVE, position=len(state.history))
         self._plan(rnd)

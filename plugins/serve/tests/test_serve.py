@@ -182,9 +182,12 @@ def test_penalties_and_logit_bias_reach_the_pipeline(server, client):
         ({"messages": []}, 400, "messages must be a non-empty list"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n must be 1"),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_object"},
+            },
             400,
-            "logprobs is not supported",
+            "response_format is not supported",
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3},

@@ -27,14 +27,10 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, S
 from starlette.routing import Route
 
 from .engine import Engine, Job
+from .tools import CallSplitter, ToolError, check_tools, clean_messages, parse_call
 
 #: Request fields that ask for something this server does not do: refused, not ignored.
 UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "functions",
     "response_format",
     "echo",
     "best_of",
@@ -88,7 +84,45 @@ def _number(
     return float(v)
 
 
-def _params(body: dict, engine: Engine, prompt_len: int) -> dict:
+#: alternatives per token at most (``top_logprobs``; OpenAI's bound)
+MAX_TOP_LOGPROBS = 20
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The request's ``logprobs`` (``Request.logprobs``): chat's ``logprobs: true`` with
+    ``top_logprobs`` alternatives, or completions' ``logprobs: n``; ``None``: off."""
+    lp = body.get("logprobs")
+    top = body.get("top_logprobs")
+    if chat:
+        if lp not in (None, True, False):
+            raise APIError(
+                f"logprobs must be true or false, got {lp!r}", param="logprobs", code="invalid_type"
+            )
+        if top is not None and not lp:
+            raise APIError(
+                "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
+            )
+        name, n = "top_logprobs", (top if top is not None else 0) if lp else None
+    else:
+        if top is not None:
+            raise APIError(
+                "top_logprobs is a chat field; completions take logprobs: n",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        name, n = "logprobs", lp
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise APIError(
+            f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}",
+            param=name,
+            code="invalid_value",
+        )
+    return n
+
+
+def _params(body: dict, engine: Engine, prompt_len: int, *, chat: bool = True) -> dict:
     """``Pipeline.stream`` keyword arguments from the request body (checked)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
@@ -180,12 +214,14 @@ def _params(body: dict, engine: Engine, prompt_len: int) -> dict:
                 param="stop",
                 code="invalid_value",
             )
+    logprobs = _logprobs(body, chat)
     return {
         "max_tokens": max_tokens,
         "temperature": temperature,
         "top_p": top_p,
         "seed": seed,
         "stop": stop or None,
+        **({} if logprobs is None else {"logprobs": logprobs}),
         **penalties,
     }
 
@@ -351,31 +387,32 @@ class Server:
     async def completions(self, request: Request) -> Any:
         return await self._generate(request, chat=False)
 
-    def _prompt(self, body: dict, chat: bool) -> list[int]:
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise APIError(
-                    "messages must be a non-empty list", param="messages", code="invalid_value"
-                )
-            clean = []
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+    def _tools(self, body: dict, chat: bool) -> list[dict] | None:
+        """The request's tools to render and parse (``None``: no tools, or
+        ``tool_choice: "none"``); checked before any model work."""
+        if not chat:
+            for name in ("tools", "tool_choice", "functions"):
+                if body.get(name) not in (None, [], {}):
                     raise APIError(
-                        f"messages[{i}] must be an object with a role and content", param="messages"
+                        f"{name} is a chat field: send the request to /v1/chat/completions",
+                        param=name,
+                        code="unsupported",
                     )
-                content = m.get("content")
-                if isinstance(content, list):  # content parts: the text ones
-                    content = "".join(
-                        p.get("text", "")
-                        for p in content
-                        if isinstance(p, dict) and p.get("type") == "text"
-                    )
-                if not isinstance(content, str):
-                    raise APIError(f"messages[{i}].content must be text", param="messages")
-                clean.append({"role": m["role"], "content": content})
+            return None
+        try:
+            tools, _ = check_tools(body, self.engine.tokenizer, self.engine.model_name)
+        except ToolError as exc:
+            raise APIError(str(exc), param=exc.param, code="invalid_value") from exc
+        return tools
+
+    def _prompt(self, body: dict, chat: bool, tools: list[dict] | None = None) -> list[int]:
+        if chat:
             try:
-                ids = self.engine.chat_ids(clean)
+                clean = clean_messages(body.get("messages"))
+            except ToolError as exc:
+                raise APIError(str(exc), param=exc.param, code="invalid_value") from exc
+            try:
+                ids = self.engine.chat_ids(clean, tools)
             except ValueError as exc:
                 raise APIError(str(exc), param="messages", code="invalid_value") from exc
         else:
@@ -410,8 +447,9 @@ class Server:
         try:
             body = await self._body(request)
             policy = self._policy(body)
-            ids = self._prompt(body, chat)
-            params = _params(body, self.engine, len(ids))
+            tools = self._tools(body, chat)
+            ids = self._prompt(body, chat, tools)
+            params = _params(body, self.engine, len(ids), chat=chat)
             stream = body.get("stream", False)
             if stream is None:
                 stream = False
@@ -444,20 +482,93 @@ class Server:
         if stream:
             self.engine.metrics.request(endpoint, 200)
             return StreamingResponse(
-                self._sse(job, rid, created, chat, policy, len(ids), include_usage),
+                self._sse(job, rid, created, chat, policy, len(ids), include_usage, tools),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await self._whole(job, rid, created, chat, policy, len(ids), endpoint, request)
+        return await self._whole(
+            job, rid, created, chat, policy, len(ids), endpoint, request, tools
+        )
 
-    def _choice(self, chat: bool, text: str | None, finish: str | None, *, delta: bool) -> dict:
+    def _choice(
+        self,
+        chat: bool,
+        text: str | None,
+        finish: str | None,
+        *,
+        delta: bool,
+        tokens: list | None = None,
+        offset: int = 0,
+        tool_calls: list | None = None,
+    ) -> dict:
+        """A choice; ``tokens``: the responses (with logprobs) it covers, ``offset`` the
+        text's position in the whole answer (completions' ``text_offset``)."""
+        lp = self._logprobs(chat, tokens, offset)
         if chat and delta:  # a chunk: the new text, none on the last one
             msg: dict = {} if text is None else {"content": text}
-            return {"index": 0, "delta": msg, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "delta": msg, "finish_reason": finish, "logprobs": lp}
         if chat:
             msg = {"role": "assistant", "content": text or ""}
-            return {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
-        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            if tool_calls:  # OpenAI: content null when the answer is only calls
+                msg = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+            return {"index": 0, "message": msg, "finish_reason": finish, "logprobs": lp}
+        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
+
+    def _splitter(self) -> CallSplitter:
+        """A splitter of the answer at the template's tool-call markers."""
+        tok = self.engine.tokenizer
+        return CallSplitter(tok.tool_call_start, tok.tool_call_end)
+
+    def _released(
+        self, events: list[tuple[str, str]], tools: list[dict] | None
+    ) -> tuple[str, list[dict]]:
+        """Text and parsed calls of a splitter's events; a call the tokenizer's parser
+        cannot read goes back into the text as the model wrote it (never dropped)."""
+        tok = self.engine.tokenizer
+        text, calls = [], []
+        for kind, s in events:
+            parsed = parse_call(tok.tool_parser, s, tools) if kind == "call" else None
+            if parsed is not None:
+                calls.extend(parsed)
+            elif kind == "call":
+                text.append(tok.tool_call_start + s + tok.tool_call_end)
+            else:
+                text.append(s)
+        return "".join(text), calls
+
+    def _logprobs(self, chat: bool, tokens: list | None, offset: int) -> dict | None:
+        """OpenAI's logprobs object of the emitted ``tokens`` (StreamResponses), or
+        ``None`` when the request did not ask for them: chat's ``{"content": [{token,
+        logprob, bytes, top_logprobs}]}``, completions' ``{tokens, token_logprobs,
+        top_logprobs, text_offset}``."""
+        if not tokens or tokens[0].logprob is None:
+            return None
+        decode = self.engine.tokenizer.decode
+
+        def entry(t: int, lp: float) -> dict:
+            s = decode([t])
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+        if chat:
+            return {
+                "content": [
+                    {
+                        **entry(r.token, r.logprob),
+                        "top_logprobs": [entry(t, v) for t, v in r.top_logprobs],
+                    }
+                    for r in tokens
+                ]
+            }
+        offsets = []
+        for r in tokens:
+            offsets.append(offset)
+            offset += len(r.text)
+        return {
+            "tokens": [decode([r.token]) for r in tokens],
+            "token_logprobs": [r.logprob for r in tokens],
+            "top_logprobs": [{decode([t]): v for t, v in r.top_logprobs} for r in tokens],
+            "text_offset": offsets,
+        }
 
     async def _whole(
         self,
@@ -469,9 +580,12 @@ class Server:
         n_prompt: int,
         endpoint: str,
         request: Request,
+        tools: list[dict] | None = None,
     ) -> JSONResponse:
         parts: list[str] = []
+        emitted: list = []
         n = 0
+        finish: str | None = None
         try:
             while True:
                 try:
@@ -484,7 +598,9 @@ class Server:
                 if item[0] == "token":
                     r = item[1]
                     parts.append(r.text)
-                    n += 0 if r.is_stop_token else 1
+                    if not r.is_stop_token:
+                        n += 1
+                        emitted.append(r)
                 elif item[0] == "done":
                     stats, finish = item[1], item[2]
                     break
@@ -498,12 +614,22 @@ class Server:
             self.engine.metrics.request(endpoint, err.status)
             return err.response()
         self.engine.metrics.request(endpoint, 200)
+        text, calls = "".join(parts), None
+        if tools is not None:
+            splitter = self._splitter()
+            events = splitter.feed(text) + splitter.finish()
+            text, calls = self._released(events, tools)
+            if calls and finish == "stop":
+                finish = "tool_calls"
+        choice = self._choice(
+            chat, text, finish, delta=False, tokens=emitted, tool_calls=calls or None
+        )
         body = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": self.engine.model_name,
-            "choices": [self._choice(chat, "".join(parts), finish, delta=False)],
+            "choices": [choice],
             "usage": _usage(n_prompt, n, stats),
             "specdec": _specdec_object(policy, stats),
         }
@@ -518,8 +644,23 @@ class Server:
         policy: str,
         n_prompt: int,
         include_usage: bool,
+        tools: list[dict] | None = None,
     ):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        splitter = self._splitter() if tools is not None else None
+        n_calls = 0
+
+        def calls_chunks(events: list[tuple[str, str]]) -> tuple[str, list[str]]:
+            """The text to send now, and a chunk per parsed tool call (streamed as one
+            delta each, ``index`` counting the request's calls)."""
+            nonlocal n_calls
+            text, calls = self._released(events, tools)
+            out = []
+            for c in calls:
+                delta = {"tool_calls": [{"index": n_calls, **c}]}
+                n_calls += 1
+                out.append(chunk([{"index": 0, "delta": delta, "finish_reason": None}]))
+            return text, out
 
         def chunk(choices: list, **extra: Any) -> str:
             d = {
@@ -533,6 +674,7 @@ class Server:
             return f"data: {json.dumps(d)}\n\n"
 
         n = 0
+        offset = 0  # of the next token's text in the answer
         try:
             if chat:
                 yield chunk(
@@ -549,8 +691,13 @@ class Server:
                 if item[0] == "token":
                     r = item[1]
                     if r.is_stop_token:  # not a token of the answer, but it may carry the
-                        if r.text:  # detokenizer's last flushed text
-                            yield chunk([self._choice(chat, r.text, None, delta=True)])
+                        text, later = r.text, []  # detokenizer's last flushed text
+                        if splitter is not None:
+                            text, later = calls_chunks(splitter.feed(text))
+                        if text:
+                            yield chunk([self._choice(chat, text, None, delta=True)])
+                        for c in later:
+                            yield c
                         continue
                     n += 1
                     fwd = r.stats.target_forwards if r.stats is not None else 0
@@ -559,9 +706,24 @@ class Server:
                         "tokens_per_forward": round(n / fwd, 3) if fwd else None,
                     }
                     # one chunk per token, also when its text is not complete yet ("")
-                    yield chunk([self._choice(chat, r.text, None, delta=True)], specdec=live)
+                    text, later = r.text, []
+                    if splitter is not None:  # text inside a tool call is held back
+                        text, later = calls_chunks(splitter.feed(r.text))
+                    choice = self._choice(chat, text, None, delta=True, tokens=[r], offset=offset)
+                    offset += len(r.text)
+                    yield chunk([choice], specdec=live)
+                    for c in later:
+                        yield c
                 elif item[0] == "done":
                     stats, finish = item[1], item[2]
+                    if splitter is not None:
+                        text, later = calls_chunks(splitter.finish())
+                        if text:
+                            yield chunk([self._choice(chat, text, None, delta=True)])
+                        for c in later:
+                            yield c
+                        if n_calls and finish == "stop":
+                            finish = "tool_calls"
                     extra: dict = {"specdec": _specdec_object(policy, stats)}
                     yield chunk(
                         [self._choice(chat, None if chat else "", finish, delta=True)], **extra

@@ -62,9 +62,9 @@ def _free_port() -> int:
 def _command(contender: str, model: str, policy: str, port: int) -> tuple[list[str], dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if contender == MLX_LM:
-        from specdec import blas
+        from specdec.loading import fast_blas_library
 
-        lib = blas.find_fast_blas()
+        lib = fast_blas_library()
         if lib is not None:
             env["LD_PRELOAD"] = lib
         return [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)], env
@@ -178,7 +178,7 @@ def _med(xs: list[float]) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     """Every contender's conversations, interleaved; returns what was measured."""
-    from specdec.models import default_model_path
+    from specdec.loading import default_model_path
 
     model = args.model or str(default_model_path())
     work = load_workload()

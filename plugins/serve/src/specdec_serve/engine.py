@@ -376,8 +376,9 @@ class Engine:
         """Whether the tokenizer has a chat template (chat requests need one)."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Prompt ids of chat ``messages`` through the tokenizer's chat template.
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids of chat ``messages`` (and ``tools``) through the tokenizer's chat
+        template.
 
         Raises:
             ValueError: the model has no chat template, or the template refuses the
@@ -388,7 +389,7 @@ class Engine:
                 f"{self.model_name} has no chat template: send the prompt to /v1/completions"
             )
         try:
-            return self.pipes[self.default_policy].encode_messages(messages)
+            return self.pipes[self.default_policy].encode_messages(messages, tools=tools)
         except Exception as exc:  # jinja's TemplateError and the like: the template said no
             raise ValueError(f"the chat template refused the messages: {exc}") from exc
 

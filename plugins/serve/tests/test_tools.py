@@ -1,0 +1,254 @@
+"""Tool calls: tools through the chat template, calls parsed with mlx-lm's parser,
+returned and streamed as OpenAI tool_calls; refusals before any model work."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from specdec.loading import default_model_path
+from specdec_serve import Engine, make_app
+from specdec_serve.tools import CallSplitter, clean_messages, parse_call
+
+TEMPLATE = Path(__file__).parent / "data" / "tool_template.jinja"
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _few_shot(city: str = "Paris") -> list[dict]:
+    """Earlier turns where the assistant answered with a call: the model copies the frame."""
+    msgs: list[dict] = []
+    for i, c in enumerate(["Paris", "London", "Rome"]):
+        call = {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": c})},
+        }
+        msgs += [
+            {"role": "user", "content": f"What is the weather in {c}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+        ]
+    return msgs + [{"role": "user", "content": f"What is the weather in {city}?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """The default model with a chat template that has a tool-call format (ChatML with
+    Qwen2.5's <tool_call> frame, written for these tests), served with none and copy."""
+    src = Path(default_model_path())
+    folder = tmp_path_factory.mktemp("tool-model")
+    for f in src.iterdir():
+        if f.name == "tokenizer_config.json":
+            cfg = json.loads(f.read_text())
+            cfg["chat_template"] = TEMPLATE.read_text()
+            (folder / f.name).write_text(json.dumps(cfg))
+        else:
+            os.symlink(f, folder / f.name)
+    engine = Engine(str(folder), ["none", "copy"], model_name="tools")
+    port = _free_port()
+    srv = uvicorn.Server(
+        uvicorn.Config(make_app(engine), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    yield f"http://127.0.0.1:{port}", engine, client
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.close()
+
+
+@pytest.mark.parametrize("policy", ["none", "copy"])
+def test_a_tool_call_is_parsed_and_returned(tool_server, policy):
+    _, engine, client = tool_server
+    assert engine.tokenizer.has_tool_calling  # mlx-lm found the format in the template
+    r = client.chat.completions.create(
+        model="tools",
+        messages=_few_shot("Paris"),
+        tools=TOOLS,
+        max_tokens=40,
+        extra_body={"policy": policy},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # what the model wrote: the template's frame, decoded by the plain pipeline too
+    ids = engine.chat_ids(clean_messages(_few_shot("Paris")), TOOLS)
+    raw = engine.pipe("none").generate(ids, max_tokens=40).text
+    assert raw.startswith("<tool_call>") and raw.rstrip().endswith("</tool_call>")
+    assert r.usage.prompt_tokens == len(ids)
+    if policy == "copy":
+        assert r.model_extra["specdec"]["accepted"] > 0
+
+
+def test_a_streamed_tool_call_is_one_delta(tool_server):
+    _, _, client = tool_server
+    chunks = list(
+        client.chat.completions.create(
+            model="tools",
+            messages=_few_shot("London"),
+            tools=TOOLS,
+            max_tokens=40,
+            stream=True,
+            extra_body={"policy": "copy"},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in text and "get_weather" not in text
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id
+    assert calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "London"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_tool_choice_none_renders_no_tools(tool_server):
+    _, engine, client = tool_server
+    msgs = [{"role": "user", "content": "Say hi."}]
+    with_tools = client.chat.completions.create(
+        model="tools", messages=msgs, tools=TOOLS, max_tokens=4
+    )
+    without = client.chat.completions.create(
+        model="tools", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4
+    )
+    plain = client.chat.completions.create(model="tools", messages=msgs, max_tokens=4)
+    assert without.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens  # the tools' text
+    assert without.choices[0].message.tool_calls is None
+
+
+def test_results_of_calls_render_back_through_the_template(tool_server):
+    _, engine, client = tool_server
+    msgs = _few_shot("Paris")[:-1] + [
+        {"role": "tool", "tool_call_id": "call_2", "content": "sunny, 21 C"},
+        {"role": "user", "content": "And now?"},
+    ]
+    r = client.chat.completions.create(model="tools", messages=msgs, tools=TOOLS, max_tokens=6)
+    text = engine.tokenizer.decode(
+        engine.chat_ids(
+            [
+                {
+                    **m,
+                    "tool_calls": [
+                        {
+                            **c,
+                            "function": {
+                                **c["function"],
+                                "arguments": json.loads(c["function"]["arguments"]),
+                            },
+                        }
+                        for c in m["tool_calls"]
+                    ],
+                }
+                if m.get("tool_calls")
+                else m
+                for m in msgs
+            ],
+            TOOLS,
+        )
+    )
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert '{"name": "get_weather", "arguments": {"city": "Rome"}}' in text
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "names function 'nope'",
+        ),
+        ({"tool_choice": "required"}, '"required" is not supported yet'),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            "naming a function is not supported yet",
+        ),
+        ({"tool_choice": "sometimes"}, "tool_choice must be"),
+        ({"tools": [{"type": "function"}]}, "tools[0] must be"),
+        ({"tools": TOOLS + TOOLS}, "two tools are named 'get_weather'"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role 'wizard'"),
+        ({"tools": None, "tool_choice": "required"}, "needs tools"),
+        ({"functions": [{"name": "f"}]}, "deprecated"),
+    ],
+)
+def test_bad_tool_requests_are_400s(tool_server, extra, needle):
+    base, engine, _ = tool_server
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 3}
+    body.update(extra)
+    before = engine.prefix.stats()
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert engine.prefix.stats() == before  # nothing ran
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_tools_for_a_template_without_a_tool_format_are_refused(server):
+    base, engine = server
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 3}
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400
+    assert "has no tool-call format" in r.json()["error"]["message"]
+    r = httpx.post(
+        base + "/v1/completions", json={"prompt": "hi", "tools": TOOLS, "max_tokens": 3}, timeout=60
+    )
+    assert r.status_code == 400 and "chat field" in r.json()["error"]["message"]
+
+
+def test_the_splitter_holds_back_markers_and_drops_nothing():
+    s = CallSplitter("<tool_call>", "</tool_call>")
+    text = 'Sure. <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> done <tool'
+    out = []
+    for ch in text:
+        out += s.feed(ch)
+    out += s.finish()
+    assert "".join(t for k, t in out if k == "text") == "Sure.  done <tool"
+    assert [t for k, t in out if k == "call"] == ['\n{"name": "f", "arguments": {}}\n']
+    s = CallSplitter("<tool_call>", "</tool_call>")
+    assert s.feed("a <tool_call>{unfinished") == [("text", "a ")]
+    assert s.finish() == [("text", "<tool_call>{unfinished")]
+
+
+def test_a_call_the_parser_cannot_read_is_none():
+    def parser(text, tools):
+        return json.loads(text)
+
+    assert parse_call(parser, "{not json", None) is None
+    assert parse_call(parser, '{"arguments": {}}', None) is None  # no name
+    (call,) = parse_call(parser, '{"name": "f", "arguments": {"x": 1}}', None)
+    assert call["function"] == {"name": "f", "arguments": '{"x": 1}'}
