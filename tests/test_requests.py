@@ -115,6 +115,23 @@ def test_stop_strings_cut_the_text(models, copy_prompts):
     assert out.finish_reason == "stop"
 
 
+def test_the_last_response_names_the_stop_string_that_matched(models, copy_prompts):
+    m = models["llama"]
+    tok = ToyTokenizer(64)
+    pipe = specdec.assemble(m, tok, policy=oracle_policy(m, block=8))
+    plain = list(pipe.stream(copy_prompts["llama"], max_tokens=20))
+    assert plain[-1].finish_reason == "length" and plain[-1].stop_string is None
+    text = "".join(r.text for r in plain)
+    stop = text[6:8]
+    # of the stop strings found, the one found first in the text; found by the last
+    # token max_tokens allows, it still ends the stream as a stop
+    for mt in (20, text.find(stop) + len(stop)):
+        rs = list(pipe.stream(copy_prompts["llama"], max_tokens=mt, stop=["\x7fnever", stop]))
+        assert rs[-1].finish_reason == "stop" and rs[-1].stop_string == stop, mt
+        assert "".join(r.text for r in rs) == text[: text.find(stop)]
+        assert all(r.stop_string is None for r in rs[:-1])
+
+
 def test_streaming_yields_each_token_with_incremental_text(models, copy_prompts):
     m = models["llama"]
     tok = ToyTokenizer(64)

@@ -34,6 +34,9 @@ class StreamResponse:
             ``logprobs``; else ``None``).
         top_logprobs: the most likely tokens at this position, ``((id, logprob), ...)``
             most likely first (``logprobs`` of them; ``None`` without ``logprobs``).
+        stop_string: on the last response of a stream ended by a stop string, that
+            string (the one found first in the text; of two found at the same place,
+            the one listed first); ``None`` otherwise. Since 0.3.3.
     """
 
     text: str
@@ -45,6 +48,7 @@ class StreamResponse:
     is_stop_token: bool = False
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    stop_string: str | None = None
 
 
 @attrs.frozen
@@ -176,13 +180,13 @@ class Emitter:
             detok.add_token(tok)
             seg = detok.last_segment
             self.n_out += 1
-            hits: list[int] = []
+            hit: tuple[int, str] | None = None
             if self.stop_strings:
                 # Text that could begin a stop string is held back until it cannot.
                 buf = self._pending + seg
-                hits = [buf.find(s) for s in self.stop_strings if s in buf]
-                if hits:
-                    out.append(self._end(buf[: min(hits)], tok, drafted, "stop", pos))
+                hit = self._find_stop(buf)
+                if hit is not None:
+                    out.append(self._end(buf[: hit[0]], tok, drafted, "stop", pos, stop=hit[1]))
                     return out
                 hold = max(len(s) for s in self.stop_strings) - 1
                 cut = max(0, len(buf) - hold)
@@ -192,13 +196,13 @@ class Emitter:
                 seg += detok.last_segment
                 if self.stop_strings:
                     tail = self._pending + detok.last_segment
-                    hits = [tail.find(s) for s in self.stop_strings if s in tail]
+                    hit = self._find_stop(tail)
                     seg = seg[: len(seg) - len(detok.last_segment)] + (
-                        tail[: min(hits)] if hits else tail
+                        tail[: hit[0]] if hit is not None else tail
                     )
                     self._pending = ""
-                reason = "stop" if self.stop_strings and hits else "length"
-                out.append(self._end(seg, tok, drafted, reason, pos))
+                reason = "stop" if hit is not None else "length"
+                out.append(self._end(seg, tok, drafted, reason, pos, stop=hit[1] if hit else None))
                 return out
             self.text += seg
             out.append(
@@ -208,8 +212,25 @@ class Emitter:
             )
         return out
 
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """Where the first stop string in ``text`` begins, and which it is (of two
+        beginning at the same place, the one listed first); ``None``: none is there."""
+        best: tuple[int, str] | None = None
+        for s in self.stop_strings:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
     def _end(
-        self, seg: str, tok: int, drafted: bool, reason: str, pos: int, stop_token: bool = False
+        self,
+        seg: str,
+        tok: int,
+        drafted: bool,
+        reason: str,
+        pos: int,
+        stop_token: bool = False,
+        stop: str | None = None,
     ) -> StreamResponse:
         self.done = True
         self.stats.generation_tokens = self.n_out
@@ -224,4 +245,5 @@ class Emitter:
             finish_reason=reason,
             stats=self.stats,
             is_stop_token=stop_token,
+            stop_string=stop,
         )

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming with
 server-sent events, or one JSON response), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text) and ``GET /`` (a page to try the model).
+``GET /metrics`` (Prometheus text) and ``GET /`` (a page to try the model); and
+Anthropic's ``POST /v1/messages`` (:mod:`specdec_serve.anthropic`).
 
 Every request is checked before it is queued; a bad one gets an OpenAI-style
 error (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status and
@@ -283,6 +284,7 @@ class Server:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
             ]
         )
 
@@ -386,6 +388,12 @@ class Server:
 
     async def completions(self, request: Request) -> Any:
         return await self._generate(request, chat=False)
+
+    async def messages(self, request: Request) -> Any:
+        """Anthropic's Messages API (its module imports this one, hence here)."""
+        from .anthropic import messages
+
+        return await messages(self, request)
 
     def _tools(self, body: dict, chat: bool) -> list[dict] | None:
         """The request's tools to render and parse (``None``: no tools, or
