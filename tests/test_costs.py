@@ -575,3 +575,20 @@ def test_no_shadow_proposals_for_a_governor_that_reads_none():
     assert out.tokens == ref[len(prompt) :]
     assert out.stats.rounds_without_draft > 0  # the governor did refuse rounds
     assert out.stats.shadow_proposals == 0 and not any(sh for _, sh, _ in governor.seen)
+
+
+def test_prepare_profiles_the_context_a_server_expects(tmp_path, monkeypatch):
+    """pipe.prepare(context=N) measures the curve to N now (a server at startup) rather
+    than in the first request that gets there; a context the curve already covers to
+    half is not measured again."""
+    model = make_tiny_model("llama")
+    monkeypatch.setattr(CostModel, "_memory", {})
+    pipe = specdec.assemble(model, None, "ngram")
+    pipe.cost_model = CostModel(model, widths=(1, 2, 4), contexts=(8, 24), directory=tmp_path)
+    pipe.prepare(context=40)  # <= twice 24: the profiled contexts are enough
+    assert pipe.cost_model.stats()["contexts"] == [8, 24]
+    pipe.prepare(context=200)
+    assert pipe.cost_model.stats()["contexts"] == [8, 24, 200]
+    assert pipe.cost_model.source == "refreshed" and pipe.cost_model.path.exists()
+    with pytest.raises(specdec.RequestError, match="context must be an integer >= 1"):
+        pipe.prepare(context=0)

@@ -170,14 +170,32 @@ class Pipeline:
             sharding = dist.adopt_sharding(self.model, world)
         return sharding
 
-    def prepare(self, progress: Callable[[int, int, str], None] | None = None) -> None:
+    def prepare(
+        self,
+        progress: Callable[[int, int, str], None] | None = None,
+        *,
+        context: int | None = None,
+    ) -> None:
         """Do the one-off work before the first request: load the verify cost curve, or
         profile it (seconds, once per model and device; ``progress(done, total, label)``
-        is told how far it got). Requests call it themselves when it was not called."""
-        if self.cost_model is not None and not self.cost_model.loaded:
-            if progress is not None:
-                self.cost_model.progress = progress
+        is told how far it got). Requests call it themselves when it was not called.
+
+        ``context``: the longest context requests are expected to reach. The curve is
+        profiled that far now (once per machine, cached) where it has not been
+        measured to half of it, instead of inside the first request that gets there
+        (a server should not keep one request's first token waiting for it).
+        """
+        if self.cost_model is None:
+            return
+        if progress is not None:
+            self.cost_model.progress = progress
+        if not self.cost_model.loaded:
             self.cost_model.curve()
+        if context is not None:
+            if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+                raise RequestError(f"context must be an integer >= 1, got {context!r}")
+            self.cost_model.note_context(context)
+            self.cost_model.refresh()
 
     def _head(self, d: Any, name: str) -> Any:
         drafter = d.name

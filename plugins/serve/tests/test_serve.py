@@ -410,6 +410,15 @@ def test_serve_command_checks_its_arguments(capsys):
     assert "no-such-policy" in capsys.readouterr().err
     assert main(["serve", "--port", "0"]) == 2
     assert "--port" in capsys.readouterr().err
+    assert main(["serve", "--profile-context", "-1"]) == 2
+    assert "--profile-context must be >= 0" in capsys.readouterr().err
+    assert main(["serve", "--prompt-cache-size", "0"]) == 2
+    assert "--prompt-cache-size must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--prompt-cache-bytes", "lots"]) == 2
+    assert "expected a byte count such as 2G" in capsys.readouterr().err
+    from specdec_serve.plugin import _size
+
+    assert _size("2G") == 2 << 30 and _size("512M") == 512 << 20 and _size("1000") == 1000
 
 
 def test_entry_point():

@@ -35,6 +35,9 @@ from .prefix import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PrefixCache
 
 #: Requests decoded together per policy, by default.
 DEFAULT_MAX_BATCH = 8
+#: The context the verify cost curve is profiled to at startup, by default: an agent's
+#: conversation gets there in a few turns (capped at the model's context).
+DEFAULT_PROFILE_CONTEXT = 4096
 
 
 class Job:
@@ -270,6 +273,10 @@ class Engine:
         prompt_cache_bytes: the prefix cache's bound on keys and values kept (0: no
             prefix cache).
         prompt_cache_size: the prefix cache's bound on entries.
+        profile_context: the context the policies' verify cost curves are profiled to
+            before serving (once per machine, cached; capped at the model's context),
+            so that no request's first token waits for it (0: only the default
+            contexts; a request that goes far past them then profiles first).
     """
 
     def __init__(
@@ -281,12 +288,14 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         prompt_cache_bytes: int = DEFAULT_MAX_BYTES,
         prompt_cache_size: int = DEFAULT_MAX_ENTRIES,
+        profile_context: int = DEFAULT_PROFILE_CONTEXT,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise specdec.PolicyError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         for name, v, low in (
             ("prompt_cache_bytes", prompt_cache_bytes, 0),
             ("prompt_cache_size", prompt_cache_size, 1),
+            ("profile_context", profile_context, 0),
         ):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise specdec.PolicyError(f"{name} must be an integer >= {low}, got {v!r}")
@@ -312,9 +321,13 @@ class Engine:
         pipe = specdec.assemble(model, policy=first)
         self.model, self.tokenizer = pipe.model, pipe.tokenizer
         self.pipes: dict[str, Any] = {self.default_policy: pipe}
-        pipe.prepare()
+        args = getattr(self.model, "args", None)
+        self.context_length = getattr(args, "max_position_embeddings", None)
+        longest = profile_context or None
+        if longest is not None and self.context_length:
+            longest = min(longest, int(self.context_length))
         for name in self.policy_specs:  # every offered policy assembles before serving
-            self.pipe(name).prepare()
+            self.pipe(name).prepare(context=longest)
         #: the batch of each policy that runs rows together (made on first use), and
         #: why a policy cannot (its requests then run alone, a token per turn).
         self.batches: dict[str, Any] = {}
@@ -324,8 +337,6 @@ class Engine:
         source = specdec.loading.model_source(self.model)
         self.model_path = str(source) if source is not None else str(model)
         self.model_name = model_name or os.path.basename(os.path.normpath(self.model_path))
-        args = getattr(self.model, "args", None)
-        self.context_length = getattr(args, "max_position_embeddings", None)
         self.metrics = Metrics()
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self._members: dict[tuple[str, int], Job] = {}

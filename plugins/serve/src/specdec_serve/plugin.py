@@ -82,6 +82,14 @@ def specdec_register_commands(subparsers):
         help="bound on the request caches the prefix cache keeps (default: 10)",
     )
     p.add_argument(
+        "--profile-context",
+        type=int,
+        default=None,
+        help="profile the policies' verify cost to this many tokens of context before "
+        "serving (once per machine, cached), so that no request waits for it "
+        "(default: 4096, capped at the model's context; 0: only the default contexts)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     p.set_defaults(func=cmd_serve)
@@ -103,6 +111,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.profile_context is not None and args.profile_context < 0:
+        print(
+            f"specdec serve: error: --profile-context must be >= 0, got {args.profile_context}",
+            file=sys.stderr,
+        )
+        return 2
     if args.prompt_cache_size is not None and args.prompt_cache_size < 1:
         print(
             f"specdec serve: error: --prompt-cache-size must be >= 1, got {args.prompt_cache_size}",
@@ -119,7 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import make_app
-    from .engine import DEFAULT_MAX_BATCH, Engine
+    from .engine import DEFAULT_MAX_BATCH, DEFAULT_PROFILE_CONTEXT, Engine
     from .prefix import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 
     print(
@@ -137,6 +151,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if args.prompt_cache_bytes is None
             else args.prompt_cache_bytes,
             prompt_cache_size=args.prompt_cache_size or DEFAULT_MAX_ENTRIES,
+            profile_context=DEFAULT_PROFILE_CONTEXT
+            if args.profile_context is None
+            else args.profile_context,
         )
     except specdec.SpecdecError as exc:
         print(f"specdec serve: error: {exc}", file=sys.stderr)
