@@ -424,3 +424,25 @@ def test_serve_command_checks_its_arguments(capsys):
 def test_entry_point():
     specdec.testing.require_installed("specdec-plugin-serve")
     assert "serve" in json.dumps(specdec.get_plugin_host().to_dict())
+
+
+def test_a_body_over_the_size_limit_is_a_413_before_it_is_read(server):
+    from specdec_serve import make_app
+    from starlette.testclient import TestClient
+
+    _, engine = server
+    with TestClient(make_app(engine, max_body_bytes=2000)) as c:
+        big = {"messages": [{"role": "user", "content": "x" * 3000}], "max_tokens": 2}
+        r = c.post("/v1/chat/completions", json=big)
+        assert r.status_code == 413
+        err = r.json()["error"]
+        assert err["code"] == "request_too_large" and "2000 bytes" in err["message"]
+        # chunked, without a content-length: cut off as it streams in
+        r = c.post(
+            "/v1/completions",
+            content=iter([b'{"prompt": "', b"y" * 2500, b'", "max_tokens": 2}']),
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 413
+        small = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        assert c.post("/v1/chat/completions", json=small).status_code == 200

@@ -271,11 +271,18 @@ def _usage(prompt_len: int, completion: int, stats: dict) -> dict:
     }
 
 
-class Server:
-    """The Starlette app around an :class:`Engine`."""
+#: Request bodies larger than this are refused (413), by default: 32 MiB holds a
+#: conversation far past any model's context.
+DEFAULT_MAX_BODY_BYTES = 32 << 20
 
-    def __init__(self, engine: Engine) -> None:
+
+class Server:
+    """The Starlette app around an :class:`Engine`; ``max_body_bytes``: the largest
+    request body read (a larger one is a 413 before it is parsed)."""
+
+    def __init__(self, engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
         self.app = Starlette(
             routes=[
                 Route("/", self.page, methods=["GET"]),
@@ -337,9 +344,29 @@ class Server:
 
     # -- generation ----------------------------------------------------------------------
 
+    async def _raw_body(self, request: Request) -> bytes:
+        """The body, read no further than the size limit."""
+        limit = self.max_body_bytes
+        too_big = APIError(
+            f"the request body is larger than this server takes ({limit} bytes; "
+            "specdec serve --max-body-bytes)",
+            status=413,
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise too_big
+        return bytes(data)
+
     async def _body(self, request: Request) -> dict:
+        raw = await self._raw_body(request)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(
                 f"the request body is not valid JSON: {exc}", code="invalid_json"
@@ -748,6 +775,6 @@ class Server:
             job.cancelled.set()  # a client that went away: its row leaves at the next round
 
 
-def make_app(engine: Engine) -> Starlette:
-    """The ASGI app serving ``engine``."""
-    return Server(engine).app
+def make_app(engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """The ASGI app serving ``engine`` (request bodies up to ``max_body_bytes``)."""
+    return Server(engine, max_body_bytes).app

@@ -82,6 +82,13 @@ def specdec_register_commands(subparsers):
         help="bound on the request caches the prefix cache keeps (default: 10)",
     )
     p.add_argument(
+        "--max-body-bytes",
+        type=_size,
+        default=None,
+        help="the largest request body the server reads, in bytes or with a K/M/G suffix; "
+        "a larger one gets a 413 (default: 32M)",
+    )
+    p.add_argument(
         "--profile-context",
         type=int,
         default=None,
@@ -132,7 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from .app import make_app
+    from .app import DEFAULT_MAX_BODY_BYTES, make_app
     from .engine import DEFAULT_MAX_BATCH, DEFAULT_PROFILE_CONTEXT, Engine
     from .prefix import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 
@@ -176,7 +183,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name, why in engine.unbatched.items():
         print(f"specdec serve: policy {name!r} runs one request at a time: {why}", file=sys.stderr)
     try:
-        uvicorn.run(make_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+        app = make_app(engine, args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()
     return 0
