@@ -112,24 +112,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         print(f"specdec serve: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
-    if args.max_batch is not None and args.max_batch < 1:
-        print(
-            f"specdec serve: error: --max-batch must be >= 1, got {args.max_batch}",
-            file=sys.stderr,
-        )
-        return 2
-    if args.profile_context is not None and args.profile_context < 0:
-        print(
-            f"specdec serve: error: --profile-context must be >= 0, got {args.profile_context}",
-            file=sys.stderr,
-        )
-        return 2
-    if args.prompt_cache_size is not None and args.prompt_cache_size < 1:
-        print(
-            f"specdec serve: error: --prompt-cache-size must be >= 1, got {args.prompt_cache_size}",
-            file=sys.stderr,
-        )
-        return 2
+    for flag, value, low in (
+        ("--max-batch", args.max_batch, 1),
+        ("--profile-context", args.profile_context, 0),
+        ("--prompt-cache-size", args.prompt_cache_size, 1),
+    ):
+        if value is not None and value < low:
+            print(f"specdec serve: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
+            return 2
     policies = args.policy or ["none"]
     try:
         for spec in policies:  # every policy checked before the model is loaded
