@@ -236,7 +236,7 @@ def _post(ant, body):
                 ]
             },
             anthropic.BadRequestError,
-            "tools are not supported by this server yet",
+            "cannot render tool_use / tool_result blocks",  # no tool format in its template
         ),
         (
             {
@@ -258,13 +258,14 @@ def _post(ant, body):
         (
             {"tools": [{"name": "get", "input_schema": {"type": "object"}}]},
             anthropic.BadRequestError,
-            "tools is not supported by this server yet",
+            "has no tool-call format",
         ),
         (
-            {"tool_choice": {"type": "auto"}},
+            {"tool_choice": {"type": "any"}},
             anthropic.BadRequestError,
-            "tool_choice is not supported",
+            'tool_choice {"type": "any"} is not supported yet',
         ),
+        ({"mcp_servers": [{"type": "url", "url": "x"}]}, anthropic.BadRequestError, "mcp_servers"),
         ({"model": "no-such-model"}, anthropic.NotFoundError, "no-such-model"),
         ({"model": None}, anthropic.BadRequestError, "model"),
         ({"temperature": 1.5}, anthropic.BadRequestError, "temperature must be in [0, 1]"),

@@ -4,21 +4,10 @@ returned and streamed as OpenAI tool_calls; refusals before any model work."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import threading
-import time
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
-import uvicorn
-from specdec.loading import default_model_path
-from specdec_serve import Engine, make_app
 from specdec_serve.tools import CallSplitter, clean_messages, parse_call
-
-TEMPLATE = Path(__file__).parent / "data" / "tool_template.jinja"
 
 TOOLS = [
     {
@@ -36,12 +25,6 @@ TOOLS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _few_shot(city: str = "Paris") -> list[dict]:
     """Earlier turns where the assistant answered with a call: the model copies the frame."""
     msgs: list[dict] = []
@@ -56,37 +39,6 @@ def _few_shot(city: str = "Paris") -> list[dict]:
             {"role": "assistant", "content": None, "tool_calls": [call]},
         ]
     return msgs + [{"role": "user", "content": f"What is the weather in {city}?"}]
-
-
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    """The default model with a chat template that has a tool-call format (ChatML with
-    Qwen2.5's <tool_call> frame, written for these tests), served with none and copy."""
-    src = Path(default_model_path())
-    folder = tmp_path_factory.mktemp("tool-model")
-    for f in src.iterdir():
-        if f.name == "tokenizer_config.json":
-            cfg = json.loads(f.read_text())
-            cfg["chat_template"] = TEMPLATE.read_text()
-            (folder / f.name).write_text(json.dumps(cfg))
-        else:
-            os.symlink(f, folder / f.name)
-    engine = Engine(str(folder), ["none", "copy"], model_name="tools")
-    port = _free_port()
-    srv = uvicorn.Server(
-        uvicorn.Config(make_app(engine), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-    yield f"http://127.0.0.1:{port}", engine, client
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.close()
 
 
 @pytest.mark.parametrize("policy", ["none", "copy"])

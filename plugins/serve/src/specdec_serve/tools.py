@@ -1,5 +1,6 @@
-"""Tool calls for ``/v1/chat/completions``: ``tools`` rendered through the model's chat
-template, the calls the model writes parsed with mlx-lm's parser for that template.
+"""Tool calls for ``/v1/chat/completions`` (and ``/v1/messages``, which translates
+Anthropic's tools and blocks to these shapes): ``tools`` rendered through the model's
+chat template, the calls the model writes parsed with mlx-lm's parser for that template.
 
 mlx-lm's tokenizer wrapper finds a model's tool-call format from its chat template
 (``has_tool_calling``, ``tool_call_start`` / ``tool_call_end`` markers and a
