@@ -204,3 +204,95 @@ def test_a_call_the_parser_cannot_read_is_none():
     assert parse_call(parser, '{"arguments": {}}', None) is None  # no name
     (call,) = parse_call(parser, '{"name": "f", "arguments": {"x": 1}}', None)
     assert call["function"] == {"name": "f", "arguments": '{"x": 1}'}
+
+
+def test_eight_clients_mixing_chat_tool_and_plain_requests(tool_server):
+    """The bounded loopback load test: 8 clients, 24 requests that share prefixes (a
+    system prompt, the few-shot tool conversation, a completion's opening), chat,
+    tool and plain completions, streamed or not, policies none and copy, all decoded
+    in the same batches; every answer is the request's answer alone."""
+    import concurrent.futures
+    import time
+
+    base, engine, client = tool_server
+    system = {"role": "system", "content": "You answer in one short sentence."}
+    cities = ["Paris", "London", "Rome"]
+    plain = engine.pipe("none")
+
+    def request(i: int) -> dict:
+        kind = ("chat", "tool", "plain")[i % 3]
+        policy = "copy" if i % 2 else "none"
+        if kind == "chat":
+            msgs = [system, {"role": "user", "content": f"Name {i} colours."}]
+            return {"kind": kind, "policy": policy, "messages": msgs}
+        if kind == "tool":
+            return {"kind": kind, "policy": policy, "messages": _few_shot(cities[i % 3])}
+        return {"kind": kind, "policy": policy, "prompt": f"Numbers: 1, 2, 3, 4, 5, {i},"}
+
+    def one(i: int) -> tuple[dict, object, int, int]:
+        r = request(i)
+        extra = {"policy": r["policy"]}
+        if r["kind"] == "plain":
+            out = client.completions.create(
+                model="tools", prompt=r["prompt"], max_tokens=12, extra_body=extra
+            )
+            return r, out.choices[0].text, out.usage.completion_tokens, 0
+        kw = {"tools": TOOLS} if r["kind"] == "tool" else {}
+        if i % 4 < 2:  # streamed
+            chunks = list(
+                client.chat.completions.create(
+                    model="tools",
+                    messages=r["messages"],
+                    max_tokens=30,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body=extra,
+                    **kw,
+                )
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            calls = [
+                (tc.function.name, json.loads(tc.function.arguments))
+                for c in chunks
+                if c.choices
+                for tc in c.choices[0].delta.tool_calls or []
+            ]
+            usage = chunks[-1].usage
+        else:
+            out = client.chat.completions.create(
+                model="tools", messages=r["messages"], max_tokens=30, extra_body=extra, **kw
+            )
+            text = out.choices[0].message.content or ""
+            calls = [
+                (tc.function.name, json.loads(tc.function.arguments))
+                for tc in out.choices[0].message.tool_calls or []
+            ]
+            usage = out.usage
+        got = calls if r["kind"] == "tool" else text
+        return r, got, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens
+
+    engine.prefix.clear()
+    n_req = 24
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(n_req)))
+    elapsed = time.perf_counter() - t
+    for i, (r, got, _, _) in enumerate(results):
+        if r["kind"] == "plain":
+            want = plain.generate(engine.text_ids(r["prompt"]), max_tokens=12).text
+        elif r["kind"] == "chat":
+            want = plain.generate(engine.chat_ids(r["messages"]), max_tokens=30).text
+        else:
+            ids = engine.chat_ids(clean_messages(r["messages"]), TOOLS)
+            raw = plain.generate(ids, max_tokens=30).text
+            want = [("get_weather", {"city": cities[i % 3]})]
+            assert json.dumps(want[0][1]) in raw  # the model's own call, decoded alone
+        assert got == want, (i, r["kind"], r["policy"])
+    assert sum(c for *_, c in results) > 0  # shared prefixes came from the prefix cache
+    h = httpx.get(base + "/health").json()
+    assert h["status"] == "ok" and h["queue_length"] == 0 and h["running"] == 0
+    tokens = sum(n for _, _, n, _ in results)
+    print(
+        f"\nmixed load: {n_req} requests (chat, tool, plain) from 8 clients in {elapsed:.1f} s: "
+        f"{n_req / elapsed:.2f} req/s, {tokens} tokens, {tokens / elapsed:.1f} tok/s aggregate"
+    )

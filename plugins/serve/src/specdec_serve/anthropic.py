@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from .app import APIError, _generation_error, _number, _params, _specdec_object
+from .app import APIError, _generation_error, _number, _params, _specdec_object, collect
 from .engine import Job
 from .tools import CallSplitter
 
@@ -57,6 +57,8 @@ def error_type(status: int) -> str:
     """Anthropic's error type for an HTTP status."""
     if status == 404:
         return "not_found_error"
+    if status == 413:
+        return "request_too_large"
     if status >= 500:
         return "api_error"
     return "invalid_request_error"
@@ -495,41 +497,20 @@ async def _whole(
     request: Request,
     tools: list[dict] | None = None,
 ) -> JSONResponse:
-    parts: list[str] = []
-    n = 0
-    stop = None
     try:
-        while True:
-            try:
-                item = await asyncio.wait_for(job.out.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():  # nobody to answer: stop the work
-                    job.cancelled.set()
-                    return JSONResponse({}, status_code=499)
-                continue
-            if item[0] == "token":
-                r = item[1]
-                parts.append(r.text)
-                n += 0 if r.is_stop_token else 1
-                if r.finish_reason is not None:
-                    stop = r.stop_string
-            elif item[0] == "done":
-                stats, finish = item[1], item[2]
-                break
-            else:
-                raise item[1]
-    except asyncio.CancelledError:
-        job.cancelled.set()
-        raise
+        done = await collect(job, request)
     except Exception as exc:
         err = _generation_error(exc)
         server.engine.metrics.request(endpoint, err.status)
         return error_response(err)
+    if done is None:
+        return JSONResponse({}, status_code=499)
     server.engine.metrics.request(endpoint, 200)
+    stats, finish, stop, n = done.stats, done.finish, done.stop_string, len(done.emitted)
     cached = int(stats.get("cached_tokens") or 0)
     blocks = Blocks(server, tools)
     blocks.start()
-    blocks.feed("".join(parts))
+    blocks.feed(done.text)
     blocks.finish()
     body = _message(
         server,

@@ -21,6 +21,7 @@ import uuid
 from importlib import resources
 from typing import Any
 
+import attrs
 import specdec
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -258,6 +259,54 @@ def _generation_error(exc: Exception) -> APIError:
         type_="server_error",
         code="generation_failed",
     )
+
+
+@attrs.frozen
+class Finished:
+    """A job run to its end (:func:`collect`): its text, the responses of its tokens
+    (the stop token's left out), its final stats, finish reason and the stop string
+    that ended it (``None``: none did)."""
+
+    text: str
+    emitted: list
+    stats: dict
+    finish: str
+    stop_string: str | None
+
+
+async def collect(job: Job, request: Request) -> Finished | None:
+    """Wait for ``job`` to finish (a whole, non-streamed answer); ``None`` when the client
+    went away meanwhile (the job is cancelled: its row leaves at the next round).
+
+    Raises:
+        the job's error (a failed generation); ``CancelledError`` cancels the job too.
+    """
+    parts: list[str] = []
+    emitted: list = []
+    stop = None
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(job.out.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():  # nobody to answer: stop the work
+                    job.cancelled.set()
+                    return None
+                continue
+            if item[0] == "token":
+                r = item[1]
+                parts.append(r.text)
+                if not r.is_stop_token:
+                    emitted.append(r)
+                if r.finish_reason is not None:
+                    stop = r.stop_string
+            elif item[0] == "done":
+                return Finished("".join(parts), emitted, item[1], item[2], stop)
+            else:
+                raise item[1]
+    except asyncio.CancelledError:
+        job.cancelled.set()
+        raise
 
 
 def _usage(prompt_len: int, completion: int, stats: dict) -> dict:
@@ -617,39 +666,17 @@ class Server:
         request: Request,
         tools: list[dict] | None = None,
     ) -> JSONResponse:
-        parts: list[str] = []
-        emitted: list = []
-        n = 0
-        finish: str | None = None
         try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(job.out.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():  # nobody to answer: stop the work
-                        job.cancelled.set()
-                        return JSONResponse({}, status_code=499)
-                    continue
-                if item[0] == "token":
-                    r = item[1]
-                    parts.append(r.text)
-                    if not r.is_stop_token:
-                        n += 1
-                        emitted.append(r)
-                elif item[0] == "done":
-                    stats, finish = item[1], item[2]
-                    break
-                else:
-                    raise item[1]
-        except asyncio.CancelledError:
-            job.cancelled.set()
-            raise
+            done = await collect(job, request)
         except Exception as exc:
             err = _generation_error(exc)
             self.engine.metrics.request(endpoint, err.status)
             return err.response()
+        if done is None:
+            return JSONResponse({}, status_code=499)
         self.engine.metrics.request(endpoint, 200)
-        text, calls = "".join(parts), None
+        text, calls, finish, stats = done.text, None, done.finish, done.stats
+        emitted, n = done.emitted, len(done.emitted)
         if tools is not None:
             splitter = self._splitter()
             events = splitter.feed(text) + splitter.finish()
