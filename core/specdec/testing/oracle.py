@@ -86,16 +86,19 @@ class OracleDrafter(BaseDrafter):
         return out
 
     def session(self, ctx: RequestContext) -> OracleSession:
-        """A session with its own corruption generator (seeded by ``seed``) and counts."""
-        return OracleSession(self)
+        """A session with its own corruption generator and counts. The generator is
+        seeded by ``seed`` and the prompt's length, so that requests with prompts of
+        different lengths (the rows of a batch) draw different corruptions, as
+        independent requests would, and the same request draws the same ones."""
+        return OracleSession(self, self.seed * 1_000_003 + len(ctx.prompt_tokens))
 
 
 class OracleSession(BaseDrafterSession):
     """One request of the oracle: proposals made and the corruption generator."""
 
-    def __init__(self, drafter: OracleDrafter):
+    def __init__(self, drafter: OracleDrafter, seed: int | None = None):
         self.drafter = drafter
-        self._rng = random.Random(drafter.seed)
+        self._rng = random.Random(drafter.seed if seed is None else seed)
         self.proposals = 0
 
     def _corrupt(self, toks: list[int]) -> list[int]:
