@@ -360,3 +360,31 @@ def test_rows_hand_back_their_caches_for_reuse(llama, prompts):
     assert unordered > 0  # rows that drafted while another did not keep fewer entries
     with pytest.raises(specdec.RequestError, match="keep_cache must be True or False"):
         batch.add(prompts[0], keep_cache=1)
+
+
+def test_a_row_started_from_an_unordered_snapshot_hands_back_unordered_ones(llama, prompts):
+    """Entries a ragged rollback moved stay where they are in a row that starts from
+    them: its snapshots must not claim position order (a trim would cut the wrong ones)."""
+    batch = specdec.assemble(llama, None, "ngram").batch(4)
+    for p in prompts:
+        batch.add(p, max_tokens=20, keep_cache=True)
+    final = []
+    while len(batch):
+        for ev in batch.step():
+            if ev.response is not None and ev.response.finish_reason is not None:
+                final.append(ev.caches[-1])
+    unordered = next(s for s in final if not s.ordered)
+    more = [*unordered.tokens, *prompts[0][:6]]
+    with pytest.raises(specdec.RequestError, match="not the prompt's first tokens"):
+        batch.add([7, *more[1:]], prompt_cache=unordered)
+    plain = specdec.assemble(llama, None, "none").batch(1)
+    rid = plain.add(more, prompt_cache=unordered, max_tokens=8, keep_cache=True)
+    snaps, out = [], []
+    while len(plain):
+        for ev in plain.step():
+            assert ev.error is None and ev.row == rid
+            snaps.extend(ev.caches)
+            out.append(ev.response.token)
+    assert len(snaps) == 2 and not any(s.ordered for s in snaps)
+    want = specdec.assemble(llama, None, "none").generate(more, max_tokens=8)
+    assert out[: len(want.tokens)] == want.tokens  # (and then a stop token, if one ended it)

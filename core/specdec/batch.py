@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import round as phases
 from .attention import verify_attention
@@ -104,7 +105,8 @@ class _Member:
     keep_cache: bool = False
     #: snapshots for the row's next event (keep_cache)
     snapshots: list = attrs.Factory(list)
-    #: some round kept fewer of this row's entries than of another row's
+    #: some round kept fewer of this row's entries than of another row's, or the row
+    #: started from an unordered snapshot: its entries may be out of position order
     ragged: bool = False
 
 
@@ -189,7 +191,7 @@ class Batch:
         self,
         prompt: str | Sequence[int],
         *,
-        prompt_cache: list | None = None,
+        prompt_cache: list | CacheSnapshot | None = None,
         keep_cache: bool = False,
         request: Request | None = None,
         **kwargs: Any,
@@ -204,7 +206,11 @@ class Batch:
                 computed once for many requests with the same prompt or prefix: the row
                 starts from a copy of it (the given caches are never written) and
                 prefills only the rest (drafter sessions see ``ctx.cached``; prompt
-                chunks reach their ``prefill`` from that position on).
+                chunks reach their ``prefill`` from that position on). Or a
+                :class:`CacheSnapshot` (a row's caches handed back, trimmed or not):
+                its tokens must be the prompt's first tokens, and an unordered one
+                makes this row's snapshots unordered too (the entries it holds stay
+                where they were).
             keep_cache: hand the row's caches back as :class:`CacheSnapshot` objects
                 (:attr:`BatchEvent.caches`): the prompt's once it is prefilled, the
                 whole request's when it finishes (not when it fails or is cancelled),
@@ -219,14 +225,27 @@ class Batch:
         if "on_round" in kwargs:
             raise RequestError("on_round is not available for rows of a batch")
         state = self.pipeline.request_state(prompt, request, kwargs)
+        if not isinstance(keep_cache, bool):
+            raise RequestError(f"keep_cache must be True or False, got {keep_cache!r}")
+        ordered = True
+        if isinstance(prompt_cache, CacheSnapshot):
+            snap = prompt_cache
+            if tuple(state.history[: len(snap.tokens)]) != snap.tokens:
+                raise RequestError(
+                    f"prompt_cache holds {len(snap.tokens)} tokens that are not the prompt's "
+                    "first tokens"
+                )
+            prompt_cache, ordered = snap.caches, snap.ordered
         if prompt_cache is not None:
             held = prompt_cache_length(self.pipeline.model, prompt_cache, len(state.history))
             state.cached = state.stats.cached_tokens = held
         rid = self._next
         self._next += 1
-        if not isinstance(keep_cache, bool):
-            raise RequestError(f"keep_cache must be True or False, got {keep_cache!r}")
-        self._pending.append(_Member(rid, state, prompt_cache=prompt_cache, keep_cache=keep_cache))
+        self._pending.append(
+            _Member(
+                rid, state, prompt_cache=prompt_cache, keep_cache=keep_cache, ragged=not ordered
+            )
+        )
         return rid
 
     def cancel(self, rid: int) -> bool:
@@ -306,7 +325,8 @@ class Batch:
             # the prefilled caches: the merge copied them, nothing writes them again
             n = _held(state.caches)
             if n is not None:
-                m.snapshots.append(CacheSnapshot(tuple(state.history[:n]), state.caches, True))
+                snap = CacheSnapshot(tuple(state.history[:n]), state.caches, not m.ragged)
+                m.snapshots.append(snap)
         if self._caches is None:
             plan = build_plan(pipe.host, merged, model=pipe.model, policy=pipe.policy)
             mx.eval([c.state for c in merged])
@@ -403,7 +423,15 @@ class Batch:
                     logprobs = phases.token_logprobs(m.state, rnd.logits, res.committed)
                     out = em.push(res.committed, res.n_accepted, res.start_position, logprobs)
                     if m.keep_cache and em.done:
-                        m.snapshots.append(self._extract(i, m))
+                        try:
+                            m.snapshots.append(self._extract(i, m))
+                        except Exception as exc:  # noqa: BLE001 - the request is done anyway
+                            warnings.warn(
+                                f"row {m.rid}: its caches could not be handed back "
+                                f"(keep_cache): {exc!r}",
+                                RuntimeWarning,
+                                stacklevel=2,
+                            )
                     events.extend(BatchEvent(m.rid, response=r) for r in out[:-1])
                     if out:
                         events.append(BatchEvent(m.rid, response=out[-1], caches=self._snap(m)))
@@ -431,6 +459,10 @@ class Batch:
         if not all(callable(getattr(c, "extract", None)) for c in caches):
             return None
         own = [c.extract(i) for c in caches]
+        for c in own:  # own buffers: a slice (a view) would keep the batch's alive
+            if isinstance(c, (KVCache, RotatingKVCache)) and c.keys is not None:
+                c.keys, c.values = c.keys * 1, c.values * 1
+        mx.eval([c.state for c in own])
         n = _held(own)
         if n is None:
             return None

@@ -185,6 +185,10 @@ class Pipeline:
         measured to half of it, instead of inside the first request that gets there
         (a server should not keep one request's first token waiting for it).
         """
+        if context is not None and (
+            isinstance(context, bool) or not isinstance(context, int) or context < 1
+        ):
+            raise RequestError(f"context must be an integer >= 1, got {context!r}")
         if self.cost_model is None:
             return
         if progress is not None:
@@ -192,8 +196,6 @@ class Pipeline:
         if not self.cost_model.loaded:
             self.cost_model.curve()
         if context is not None:
-            if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-                raise RequestError(f"context must be an integer >= 1, got {context!r}")
             self.cost_model.note_context(context)
             self.cost_model.refresh()
 

@@ -39,10 +39,12 @@ def test_fetch_takes_the_longest_shared_prefix_as_a_trimmed_copy(llama):
     ca, cb = _filled(llama, a), _filled(llama, b)
     saved = _keys(ca)
     assert pc.insert(a, ca) and pc.insert(b, cb)
-    assert pc.fetch([7, 8, 9]) == (None, 0)
+    assert pc.fetch([7, 8, 9]) is None
     # shares 15 tokens with a (a's entry, trimmed to 15) and 10 with b
-    caches, n = pc.fetch([*range(1, 16), 50, 51])
-    assert n == 15 and all(c.offset == 15 for c in caches)
+    snap = pc.fetch([*range(1, 16), 50, 51])
+    caches, n = snap.caches, len(snap.tokens)
+    assert n == 15 and all(c.offset == 15 for c in caches) and snap.ordered
+    assert snap.tokens == tuple(range(1, 16))
     for got, want in zip(_keys(caches), saved):
         assert np.array_equal(got, want[..., :15, :])
     # the copy is the caller's: writing it leaves the entry as it was
@@ -51,8 +53,7 @@ def test_fetch_takes_the_longest_shared_prefix_as_a_trimmed_copy(llama):
         np.array_equal(x, y) for x, y in zip(_keys(ca), saved)
     )
     # a prompt equal to an entry reuses all but its last token
-    caches, n = pc.fetch(a)
-    assert n == 19
+    assert len(pc.fetch(a).tokens) == 19
     assert pc.stats()["hits"] == 2 and pc.stats()["misses"] == 1
 
 
@@ -60,10 +61,11 @@ def test_an_unordered_entry_serves_only_whole(llama):
     pc = PrefixCache(max_bytes=1 << 30)
     a = list(range(1, 21))
     pc.insert(a, _filled(llama, a), ordered=False)
-    assert pc.fetch([*range(1, 16), 50]) == (None, 0)  # would need a trim
-    assert pc.fetch(a) == (None, 0)  # would need a trim too (the last token is fed)
-    caches, n = pc.fetch([*a, 60, 61])
-    assert n == 20 and all(c.offset == 20 for c in caches)
+    assert pc.fetch([*range(1, 16), 50]) is None  # would need a trim
+    assert pc.fetch(a) is None  # would need a trim too (the last token is fed)
+    snap = pc.fetch([*a, 60, 61])
+    assert len(snap.tokens) == 20 and all(c.offset == 20 for c in snap.caches)
+    assert not snap.ordered  # a request going on from it holds unordered caches too
 
 
 def test_an_ordered_entry_replaces_its_prefixes_and_lru_bounds_hold(llama):
@@ -75,7 +77,7 @@ def test_an_ordered_entry_replaces_its_prefixes_and_lru_bounds_hold(llama):
     pc.insert([30, 31, 32], _filled(llama, [30, 31, 32]))
     pc.fetch([*a, 5])  # a is now the most recently used
     pc.insert([40, 41], _filled(llama, [40, 41]))
-    assert len(pc) == 2 and pc.fetch([30, 31, 32, 33]) == (None, 0)
+    assert len(pc) == 2 and pc.fetch([30, 31, 32, 33]) is None
     one = pc.nbytes // 2
     small = PrefixCache(max_bytes=one)  # room for one entry of this size
     small.insert(a, _filled(llama, a))

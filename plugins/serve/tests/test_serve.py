@@ -415,6 +415,8 @@ def test_serve_command_checks_its_arguments(capsys):
     assert main(["serve", "--prompt-cache-size", "0"]) == 2
     assert "--prompt-cache-size must be >= 1" in capsys.readouterr().err
     assert main(["serve", "--prompt-cache-bytes", "lots"]) == 2
+    assert main(["serve", "--prompt-cache-bytes", "inf"]) == 2
+    assert main(["serve", "--max-body-bytes", "0"]) == 2
     assert "expected a byte count such as 2G" in capsys.readouterr().err
     from specdec_serve.plugin import _size
 

@@ -157,6 +157,10 @@ def test_results_of_calls_render_back_through_the_template(tool_server):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "role 'wizard'"),
         ({"tools": None, "tool_choice": "required"}, "needs tools"),
         ({"functions": [{"name": "f"}]}, "deprecated"),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]},
+            "tool_calls must be a list",
+        ),
     ],
 )
 def test_bad_tool_requests_are_400s(tool_server, extra, needle):
@@ -194,12 +198,21 @@ def test_the_splitter_holds_back_markers_and_drops_nothing():
     s = CallSplitter("<tool_call>", "</tool_call>")
     assert s.feed("a <tool_call>{unfinished") == [("text", "a ")]
     assert s.finish() == [("text", "<tool_call>{unfinished")]
+    # a format without an end marker (mlx-lm's mistral): the call runs to the end
+    s = CallSplitter("[TOOL_CALLS]", "")
+    out = s.feed('Ok [TOOL_CALLS][{"name": "f", ') + s.feed('"arguments": {}}]')
+    assert out == [("text", "Ok ")]
+    assert s.finish() == [("call", '[{"name": "f", "arguments": {}}]')]
 
 
 def test_a_call_the_parser_cannot_read_is_none():
     def parser(text, tools):
         return json.loads(text)
 
+    def broken(text, tools):
+        raise RuntimeError("a parser bug")
+
+    assert parse_call(broken, "{}", None) is None
     assert parse_call(parser, "{not json", None) is None
     assert parse_call(parser, '{"arguments": {}}', None) is None  # no name
     (call,) = parse_call(parser, '{"name": "f", "arguments": {"x": 1}}', None)

@@ -85,7 +85,7 @@ class _Server:
         cmd, env = _command(contender, model, policy, self.port)
         self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
         self.base = f"http://127.0.0.1:{self.port}"
-        deadline = time.time() + 180
+        deadline = time.time() + 600
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{contender} exited with {self.proc.returncode} while starting")
@@ -96,7 +96,7 @@ class _Server:
                 pass
             if time.time() > deadline:
                 self.close()
-                raise RuntimeError(f"{contender} did not start within 180 s")
+                raise RuntimeError(f"{contender} did not start within 600 s")
             time.sleep(0.5)
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -32,6 +33,8 @@ import specdec
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from .prefix import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PrefixCache
+
+log = logging.getLogger("specdec.serve")
 
 #: Requests decoded together per policy, by default.
 DEFAULT_MAX_BATCH = 8
@@ -65,8 +68,10 @@ class Job:
         self.cached = 0
         #: token ids committed so far (the worker's, for the prefix cache)
         self.tokens: list[int] = []
-        #: the caches of a request running alone (filled in place by its stream)
+        #: the caches of a request running alone (filled in place by its stream), and
+        #: whether their entries are in position order (see specdec.CacheSnapshot)
         self.caches: list | None = None
+        self.ordered = True
 
     def emit(self, item: tuple) -> None:
         """Hand ``item`` to the request's coroutine (from the worker thread)."""
@@ -93,6 +98,7 @@ class Metrics:
         self.cancelled = 0
         self.failed = 0
         self.cached_tokens = 0
+        self.prefix_errors = 0
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -194,6 +200,13 @@ class Metrics:
                     "gauge",
                     "Bytes of keys and values the prefix cache holds.",
                     [("", prefix["bytes"])],
+                )
+                metric(
+                    "specdec_prefix_cache_errors_total",
+                    "counter",
+                    "Prefix cache lookups and insertions that failed (logged; the requests "
+                    "went on without them).",
+                    [("", self.prefix_errors)],
                 )
                 metric(
                     "specdec_prefix_cache_lookups_total",
@@ -489,33 +502,61 @@ class Engine:
             pipe = self.pipe(job.policy)
             pipe.prepare()  # once per pipeline: e.g. the verify cost curve
             b = self._batch(job.policy)
-            caches, job.cached = (
-                (None, 0) if self.prefix is None else self.prefix.fetch(job.prompt_ids)
-            )
+            snap = self._fetch(job)
             if b is None:
-                if self.prefix is not None and caches is None:
+                caches = snap.caches if snap is not None else None
+                if caches is None and self.prefix is not None and self._keeps_alone:
                     caches = make_prompt_cache(self.model)  # to keep when it finishes
-                job.caches = caches
+                job.caches, job.ordered = caches, snap.ordered if snap is not None else True
                 stream = pipe.stream(job.prompt_ids, prompt_cache=caches, **job.params)
                 self._alone.append((job, stream))
                 return
             rid = b.add(
-                job.prompt_ids,
-                prompt_cache=caches,
-                keep_cache=self.prefix is not None,
-                **job.params,
+                job.prompt_ids, prompt_cache=snap, keep_cache=self.prefix is not None, **job.params
             )
         except Exception as exc:  # this request fails; the server and other requests go on
             self._failed(job, exc)
             return
         self._members[(job.policy, rid)] = job
 
+    def _fetch(self, job: Job) -> Any:
+        """The prefix cache's caches for ``job``'s prompt (a ``CacheSnapshot``), or ``None``.
+        A failure here costs the request its prefix, never the request: it is logged and
+        counted (``specdec_prefix_cache_errors_total``)."""
+        if self.prefix is None:
+            return None
+        try:
+            snap = self.prefix.fetch(job.prompt_ids)
+        except Exception as exc:  # noqa: BLE001 - the request goes on without a prefix
+            self._cache_error("fetch", exc)
+            return None
+        job.cached = 0 if snap is None else len(snap.tokens)
+        return snap
+
+    @property
+    def _keeps_alone(self) -> bool:
+        """Whether the caches of a request running alone can be kept: every layer of the
+        model's caches tells how many tokens it holds (not so for a model of state-space
+        layers only)."""
+        return any(
+            isinstance(getattr(c, "offset", None), int) for c in make_prompt_cache(self.model)
+        )
+
+    def _cache_error(self, what: str, exc: BaseException) -> None:
+        with self.metrics.lock:
+            self.metrics.prefix_errors += 1
+        log.warning("prefix cache %s failed (the request goes on without it): %r", what, exc)
+
     def _keep(self, snapshots: Sequence[Any]) -> None:
-        """Put a batch row's cache snapshots into the prefix cache."""
+        """Put a batch row's cache snapshots into the prefix cache (a failure is logged
+        and counted, and costs only the entry)."""
         if self.prefix is None:
             return
         for snap in snapshots:
-            self.prefix.insert(snap.tokens, snap.caches, ordered=snap.ordered)
+            try:
+                self.prefix.insert(snap.tokens, snap.caches, ordered=snap.ordered)
+            except Exception as exc:  # noqa: BLE001 - the entry is lost, nothing else
+                self._cache_error("insert", exc)
 
     def _keep_alone(self, job: Job) -> None:
         """Put the caches of a request that ran alone into the prefix cache: they hold
@@ -525,17 +566,22 @@ class Engine:
         job.caches = None
         if self.prefix is None or caches is None:
             return
-        known = [*job.prompt_ids, *job.tokens]
-        lengths = {getattr(c, "offset", None) for c in caches}
-        n = lengths.pop() if len(lengths) == 1 else None
-        if not isinstance(n, int) or n < 1:
-            return
-        if n > len(known):
-            if not can_trim_prompt_cache(caches):
+        try:
+            known = [*job.prompt_ids, *job.tokens]
+            lengths = {getattr(c, "offset", None) for c in caches}
+            n = lengths.pop() if len(lengths) == 1 else None
+            if not isinstance(n, int) or n < 1:
                 return
-            trim_prompt_cache(caches, n - len(known))
-            n = len(known)
-        self.prefix.insert(known[:n], caches, ordered=True)
+            if n > len(known):
+                # only the tokens a round committed after the stop: the newest entries,
+                # at the end even of an unordered cache (its moved ones are older)
+                if not can_trim_prompt_cache(caches):
+                    return
+                trim_prompt_cache(caches, n - len(known))
+                n = len(known)
+            self.prefix.insert(known[:n], caches, ordered=job.ordered)
+        except Exception as exc:  # noqa: BLE001 - the entry is lost, nothing else
+            self._cache_error("insert", exc)
 
     def _failed(self, job: Job, exc: BaseException) -> None:
         with self.metrics.lock:

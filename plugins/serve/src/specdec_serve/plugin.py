@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import specdec.hookspecs
 
@@ -21,8 +22,8 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"expected a byte count such as 2G, 512M or 1000000, got {text!r}"
         ) from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"a byte count cannot be negative, got {text!r}")
+    if not math.isfinite(n) or n < 0:
+        raise argparse.ArgumentTypeError(f"a byte count must be a finite number >= 0, got {text!r}")
     return int(n * scale)
 
 
@@ -116,6 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ("--max-batch", args.max_batch, 1),
         ("--profile-context", args.profile_context, 0),
         ("--prompt-cache-size", args.prompt_cache_size, 1),
+        ("--max-body-bytes", args.max_body_bytes, 1),
     ):
         if value is not None and value < low:
             print(f"specdec serve: error: {flag} must be >= {low}, got {value}", file=sys.stderr)
@@ -173,7 +175,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name, why in engine.unbatched.items():
         print(f"specdec serve: policy {name!r} runs one request at a time: {why}", file=sys.stderr)
     try:
-        app = make_app(engine, args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        limit = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
+        app = make_app(engine, limit)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()

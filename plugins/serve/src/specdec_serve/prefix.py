@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from specdec import CacheSnapshot
 
 #: Entries kept at most, by default (as ``mlx_lm.server --prompt-cache-size``).
 DEFAULT_MAX_ENTRIES = 10
@@ -78,13 +79,14 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def fetch(self, prompt: Sequence[int]) -> tuple[list | None, int]:
+    def fetch(self, prompt: Sequence[int]) -> CacheSnapshot | None:
         """A copy of the caches that share the longest prefix with ``prompt`` (at most
         all its tokens but the last, the one the first forward is fed), trimmed to it.
 
         Returns:
-            ``(caches, tokens they hold)``, or ``(None, 0)`` when no entry shares a
-            prefix.
+            a :class:`specdec.CacheSnapshot` (the tokens it holds, the copy, whether its
+            entries are in position order: a request that goes on from an unordered one
+            holds unordered caches too), or ``None`` when no entry shares a prefix.
         """
         p = np.asarray(prompt, dtype=np.int64)
         limit = len(p) - 1
@@ -102,7 +104,7 @@ class PrefixCache:
         use, key = best
         if key is None:
             self.misses += 1
-            return None, 0
+            return None
         e = self._entries[key]
         self._entries.move_to_end(key)
         caches = copy.deepcopy(e.caches)
@@ -110,7 +112,7 @@ class PrefixCache:
             trim_prompt_cache(caches, len(e.tokens) - use)
         self.hits += 1
         self.tokens_reused += use
-        return caches, use
+        return CacheSnapshot(tuple(int(t) for t in prompt[:use]), caches, e.ordered)
 
     def insert(self, tokens: Sequence[int], caches: list, *, ordered: bool = True) -> bool:
         """Keep ``caches`` (the caller's; not copied, never written here), which hold

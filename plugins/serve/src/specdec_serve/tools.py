@@ -139,6 +139,11 @@ def clean_messages(messages: Any) -> list[dict]:
                 raise ToolError(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(str(p.get("text", "")) for p in content)
         calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None and not isinstance(calls, list):
+            raise ToolError(
+                f"messages[{i}].tool_calls must be a list of calls, got {calls!r:.100}",
+                "messages",
+            )
         if content is None and calls:
             content = ""
         if not isinstance(content, str):
@@ -193,7 +198,9 @@ class CallSplitter:
         out: list[tuple[str, str]] = []
         while True:
             if self._in_call:
-                j = self._buf.find(self.end)
+                # a format without an end marker (mlx-lm's mistral): the call runs to
+                # the end of the answer (finish)
+                j = self._buf.find(self.end) if self.end else -1
                 if j < 0:
                     return out
                 out.append(("call", self._buf[:j]))
@@ -216,7 +223,11 @@ class CallSplitter:
 
     def finish(self) -> list[tuple[str, str]]:
         """What is left when generation ends: held-back text, and a call that never
-        reached its end marker as the text it is (nothing is dropped)."""
+        reached its end marker as the text it is (nothing is dropped); with a format
+        that has no end marker, the call that ran to the end."""
+        if self._in_call and not self.end:
+            raw, self._buf, self._in_call = self._buf, "", False
+            return [("call", raw)]
         rest = (self.start if self._in_call else "") + self._buf
         self._buf, self._in_call = "", False
         return [("text", rest)] if rest else []
@@ -237,7 +248,7 @@ def parse_call(
     cannot read it: the caller returns it as text)."""
     try:
         parsed = parser(raw, tools)
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+    except Exception:  # noqa: BLE001 - whatever the parser raises: the text goes back as text
         return None
     calls = parsed if isinstance(parsed, list) else [parsed]
     out = []
