@@ -180,6 +180,15 @@ def test_tools_for_a_template_without_a_tool_format_are_refused(server):
     r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400
     assert "has no tool-call format" in r.json()["error"]["message"]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for msgs in (
+        [{"role": "assistant", "content": None, "tool_calls": [call]}],
+        [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c", "content": "1"}],
+    ):
+        r = httpx.post(
+            base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 3}, timeout=60
+        )
+        assert r.status_code == 400 and "tool results cannot be rendered" in r.text
     r = httpx.post(
         base + "/v1/completions", json={"prompt": "hi", "tools": TOOLS, "max_tokens": 3}, timeout=60
     )

@@ -495,6 +495,16 @@ class Server:
                 clean = clean_messages(body.get("messages"))
             except ToolError as exc:
                 raise APIError(str(exc), param=exc.param, code="invalid_value") from exc
+            if not getattr(self.engine.tokenizer, "has_tool_calling", False) and any(
+                m["role"] == "tool" or m.get("tool_calls") for m in clean
+            ):
+                raise APIError(
+                    f"{self.engine.model_name}'s chat template has no tool-call format, so "
+                    "messages with tool calls or tool results cannot be rendered (the "
+                    "template would drop them)",
+                    param="messages",
+                    code="invalid_value",
+                )
             try:
                 ids = self.engine.chat_ids(clean, tools)
             except ValueError as exc:
