@@ -323,3 +323,16 @@ def test_bench_record_fields_documented():
     text = _read(DOCS / "bench.md")
     missing = [f for f in RECORD_FIELDS if f'"{f}"' not in text]
     assert not missing, f"docs/bench.md's JSON example lacks {missing}"
+
+
+def test_test_file_names_are_unique_across_the_suites():
+    """The tests session collects the core's and every plugin's suite in one pytest run
+    (rootdir-relative imports, no packages): two test files of one name there fail
+    collection ("import file mismatch")."""
+    seen: dict[str, Path] = {}
+    dirs = [TESTS, *ROOT.glob("plugins/*/tests"), *ROOT.glob("docs/examples/*/tests")]
+    for d in dirs:
+        for f in d.rglob("test_*.py"):
+            assert f.name not in seen, f"{f.relative_to(ROOT)} and {seen[f.name].relative_to(ROOT)}"
+            seen[f.name] = f
+    assert len(seen) > 50
