@@ -418,24 +418,8 @@ class Batch:
             stats.batch_rows[len(members)] = stats.batch_rows.get(len(members), 0) + 1
             if res is not None:
                 try:
-                    phases.observe(m.state, res)
-                    em = m.state.emitter
-                    logprobs = phases.token_logprobs(m.state, rnd.logits, res.committed)
-                    out = em.push(res.committed, res.n_accepted, res.start_position, logprobs)
-                    if m.keep_cache and em.done:
-                        try:
-                            m.snapshots.append(self._extract(i, m))
-                        except Exception as exc:  # noqa: BLE001 - the request is done anyway
-                            warnings.warn(
-                                f"row {m.rid}: its caches could not be handed back "
-                                f"(keep_cache): {exc!r}",
-                                RuntimeWarning,
-                                stacklevel=2,
-                            )
-                    events.extend(BatchEvent(m.rid, response=r) for r in out[:-1])
-                    if out:
-                        events.append(BatchEvent(m.rid, response=out[-1], caches=self._snap(m)))
-                    if em.done:
+                    events.extend(self._emit(i, m, rnd, res))
+                    if m.state.emitter.done:
                         gone.append(m)
                     continue
                 except Exception as exc:  # noqa: BLE001 - this request fails alone
@@ -443,6 +427,27 @@ class Batch:
             events.append(BatchEvent(m.rid, error=failed[i]))
             gone.append(m)
         self._drop(gone)
+        return events
+
+    def _emit(self, i: int, m: _Member, rnd: Round, res: RoundResult) -> list[BatchEvent]:
+        """Row ``i``'s round told to its sessions and emitted; its last event carries the
+        caches it hands back (``keep_cache``)."""
+        phases.observe(m.state, res)
+        em = m.state.emitter
+        logprobs = phases.token_logprobs(m.state, rnd.logits, res.committed)
+        out = em.push(res.committed, res.n_accepted, res.start_position, logprobs)
+        if m.keep_cache and em.done:
+            try:
+                m.snapshots.append(self._extract(i, m))
+            except Exception as exc:  # noqa: BLE001 - the request is done anyway
+                warnings.warn(
+                    f"row {m.rid}: its caches could not be handed back (keep_cache): {exc!r}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        events = [BatchEvent(m.rid, response=r) for r in out[:-1]]
+        if out:
+            events.append(BatchEvent(m.rid, response=out[-1], caches=self._snap(m)))
         return events
 
     @staticmethod

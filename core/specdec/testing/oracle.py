@@ -90,7 +90,8 @@ class OracleDrafter(BaseDrafter):
         seeded by ``seed`` and the prompt's length, so that requests with prompts of
         different lengths (the rows of a batch) draw different corruptions, as
         independent requests would, and the same request draws the same ones."""
-        return OracleSession(self, self.seed * 1_000_003 + len(ctx.prompt_tokens))
+        n = len(ctx.prompt_tokens) if ctx is not None else 0
+        return OracleSession(self, self.seed * 1_000_003 + n)
 
 
 class OracleSession(BaseDrafterSession):
