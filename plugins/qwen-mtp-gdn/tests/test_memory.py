@@ -24,7 +24,9 @@ def _policy(strategy):
         name=f"ngram-{strategy}",
         drafters=NGRAM.drafters,
         rollback="gdn_transaction",
-        options={"gdn_transaction": {"strategy": strategy}},
+        # NGRAM's ladder sizing: how many rounds draft must not depend on the machine's
+        # timing (the cost sizing once drafted in 2 rounds of 48 tokens under load)
+        options={**NGRAM.options, "gdn_transaction": {"strategy": strategy}},
     )
 
 
