@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import specdec
 from specdec.testing import tiny_model_args
@@ -54,3 +55,39 @@ def make_tiny_qwen2(seed: int = 1, vocab_size: int = 256):
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+#: The end-of-sequence token of :func:`write_json_tokenizer`'s tokenizer.
+JSON_EOS = "<|end|>"
+
+_JSON_TEXTS = [
+    '{"name":"Alice Johnson","city":"Portland","age":34,"tags":["nurse","hiker"]}',
+    '{"title":"Speculative decoding","year":2023,"authors":["Leviathan","Kalman"]}',
+    "yes no maybe 0123456789 true false null [] {} , : \" ' abc xyz",
+    "The quick brown fox jumps over the lazy dog. Alice lives in Portland.",
+]
+
+
+def write_json_tokenizer(path: Path, vocab_size: int = 320) -> Any:
+    """A byte-level BPE tokenizer (``tokenizer.json``, a Hugging Face fast tokenizer as
+    llguidance reads it) with merges learned from a few JSON lines, saved in ``path``
+    and loaded with mlx-lm; its EOS is :data:`JSON_EOS`."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[JSON_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_JSON_TEXTS * 4, trainer=trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": JSON_EOS})
+    )
+    return load_tokenizer(path)

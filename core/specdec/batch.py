@@ -225,6 +225,11 @@ class Batch:
         if "on_round" in kwargs:
             raise RequestError("on_round is not available for rows of a batch")
         state = self.pipeline.request_state(prompt, request, kwargs)
+        if state.grammar is not None:
+            raise RequestError(
+                "grammar is not available for rows of a batch yet: decode a constrained "
+                "request with Pipeline.stream (specdec serve runs them that way)"
+            )
         if not isinstance(keep_cache, bool):
             raise RequestError(f"keep_cache must be True or False, got {keep_cache!r}")
         ordered = True

@@ -91,10 +91,15 @@ def specdec_register_governors(register):
 
 @hookimpl
 def specdec_register_policies(register):
-    """Register the core's presets, ``none`` and ``draft`` (plugins register the rest)."""
+    """Register the core's presets, ``none``, ``draft`` and ``forced`` (plugins register the rest)."""
     register("none", {"name": "none"}, description="plain decoding through the same loop")
     register(
         "draft",
         {"name": "draft", "drafters": ["draft_model"]},
         description="the draft_model drafter alone (option model)",
+    )
+    register(
+        "forced",
+        {"name": "forced", "forced_drafts": True},
+        description="no drafter: a constrained request drafts its grammar's forced tokens",
     )

@@ -18,6 +18,7 @@ from . import guard
 from .attention import verify_attention
 from .emit import Emitter
 from .errors import RequestError, SpecdecError
+from .grammar import FORCED
 from .request import Request
 from .roles import PrefillChunk, RequestContext, VerifyResult, optional
 from .rollback import RollbackPlan, build_plan
@@ -63,6 +64,10 @@ class RequestState:
         host: the plugin host (names components in errors).
         heads: the draft heads by drafter name.
         vocab_size: the target's vocabulary size (draft ids are checked against it).
+        grammar: the request's grammar matcher (:class:`specdec.grammar.GrammarState`),
+            or ``None``.
+        forces: the request drafts its grammar's forced tokens (a constrained request
+            under a policy that :attr:`specdec.Policy.forces`).
     """
 
     request: Request
@@ -86,6 +91,8 @@ class RequestState:
     host: Any = None
     heads: dict = attrs.field(factory=dict)
     vocab_size: int = 0
+    grammar: Any = None
+    forces: bool = False
 
 
 def new_state(
@@ -101,6 +108,7 @@ def new_state(
     cached = 0 if prompt_cache is None else prompt_cache_length(pipe.model, prompt_cache, len(ids))
     stats = Stats(policy=pipe.policy.name, prompt_tokens=len(ids), verifier=pipe.verifier.name)
     stats.cached_tokens = cached
+    grammar = pipe.grammar_state(request)
     return RequestState(
         request=request,
         history=ids,
@@ -113,6 +121,8 @@ def new_state(
         host=pipe.host,
         heads=pipe.heads,
         vocab_size=pipe.vocab_size,
+        grammar=grammar,
+        forces=grammar is not None and pipe.policy.forces,
     )
 
 
@@ -219,6 +229,10 @@ def open_request(
             guard.blame(state, "drafter", d.name, "session", exc, None)
         state.sessions.append((d.name, session))
         stats.per_drafter[d.name] = {"rounds": 0, "drafted": 0, "accepted": 0}
+    if state.grammar is not None:
+        stats.grammar = {"kind": state.grammar.grammar.kind, "forced": 0, "cut": 0}
+        if state.forces:
+            stats.per_drafter[FORCED] = {"rounds": 0, "drafted": 0, "accepted": 0}
     if pipe.governor is not None and drafters:
         ctx = RequestContext(**common, options=policy.options_for(policy.governor))
         state.governor_name = policy.governor
@@ -335,6 +349,8 @@ def finish_stats(pipe: Any, state: RequestState, coord: Any = None) -> None:
         stats.governor = dict(state.governor.stats())
     if state.cost is not None:
         stats.verify_cost = state.cost.stats()  # with the round overhead learnt
+    if state.grammar is not None:
+        stats.grammar["mask_time_s"] = state.grammar.time_s
     shown: dict[str, Any] = {}  # key -> head object
     for drafter, head in pipe.heads.items():
         extra = optional(head, "draft_head", "stats")

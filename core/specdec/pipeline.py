@@ -18,6 +18,7 @@ from .coordinate import Coordinator, Solo
 from .costs import CostModel
 from .emit import GenerationResult, StreamResponse
 from .errors import ModelLoadError, PolicyError, RequestError, UnknownComponentError
+from .grammar import GrammarState, grammar_tokenizer
 from .heads import model_vocab_size
 from .lifecycle import RequestState, new_state
 from .plugins import PluginHost, get_plugin_host
@@ -88,6 +89,7 @@ class Pipeline:
             attach = optional(d, "drafter", "attach")
             if attach is not None:
                 attach(model, tokenizer)
+        self._grammar_tokenizer: Any = None
         #: the verify cost curve of this model on this device, when a drafter reads it.
         self.cost_model: CostModel | None = None
         if self.ranks is None and any(
@@ -308,6 +310,35 @@ class Pipeline:
                 "'point_mass' or 'rejection' for sampling"
             )
 
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's tokenizer for this pipeline's tokenizer and vocabulary, built on
+        the first constrained request (a few hundred ms) and kept.
+
+        Raises:
+            RequestError: the pipeline has no tokenizer llguidance can read.
+        """
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size)
+        return self._grammar_tokenizer
+
+    def grammar_state(self, request: Request) -> GrammarState | None:
+        """A fresh matcher for ``request``'s grammar (``None`` without one).
+
+        Raises:
+            RequestError: the grammar does not compile for this tokenizer, cannot be
+                rolled back, or the model is sharded across ranks.
+        """
+        if request.grammar is None:
+            return None
+        if self.ranks is not None:
+            raise RequestError(
+                "grammar is not available on a model sharded across ranks yet (the ranks "
+                "would each need the matcher); run constrained requests on one process"
+            )
+        return GrammarState(
+            self.grammar_tokenizer(), request.grammar, request.stop_ids(self.tokenizer)
+        )
+
     def check_request(self, **kwargs: Any) -> Request:
         """Check a request's arguments as :meth:`stream` does before any model work, for
         callers that must refuse a request before queueing it (a server). Arguments no
@@ -321,6 +352,7 @@ class Pipeline:
         """
         request = Request.of(kwargs, ignore_unknown=True)
         self._check_policy(request)
+        self.grammar_state(request)  # compiles for this tokenizer, or refuses
         return request
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:

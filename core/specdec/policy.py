@@ -67,6 +67,11 @@ def _check_optional_name(inst: Any, attr: attrs.Attribute, value: Any) -> None:
         _check_name(inst, attr, value)
 
 
+def _check_optional_bool(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise PolicyError(f"{attr.name} must be true, false or left out, got {value!r}")
+
+
 def _check_positive(inst: Any, attr: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise PolicyError(f"{attr.name} must be an integer >= 1, got {value!r}")
@@ -106,6 +111,11 @@ class Policy:
             at a time). Above 1, every drafter, the governor and the verifier must
             declare ``supports_batch = True``; ``assemble`` refuses the policy otherwise.
         options: per-component options, ``{component_name: {option: value}}``.
+        forced_drafts: whether a request with a ``grammar`` drafts the tokens its
+            grammar forces (the keys of a schema, punctuation; they open the round's
+            block and cannot be rejected). ``None`` (the default): when the policy has
+            drafters. ``True`` on a policy without drafters: forced tokens are its
+            only drafts (preset ``forced``).
     """
 
     name: str = attrs.field(default="custom", validator=_check_name)
@@ -120,6 +130,12 @@ class Policy:
     min_block: int = attrs.field(default=1, validator=_check_positive)
     max_batch: int = attrs.field(default=1, validator=_check_positive)
     options: dict = attrs.field(factory=dict, converter=_freeze_options, hash=False)
+    forced_drafts: bool | None = attrs.field(default=None, validator=_check_optional_bool)
+
+    @property
+    def forces(self) -> bool:
+        """Whether constrained requests draft their grammar's forced tokens."""
+        return bool(self.drafters) if self.forced_drafts is None else self.forced_drafts
 
     def __attrs_post_init__(self) -> None:
         if self.min_block > self.max_block:
@@ -138,6 +154,7 @@ class Policy:
         "min_block",
         "max_batch",
         "options",
+        "forced_drafts",
     )
 
     @classmethod
@@ -203,4 +220,5 @@ class Policy:
 CORE_PRESETS: dict[str, Policy] = {
     "none": Policy(name="none"),
     "draft": Policy(name="draft", drafters=("draft_model",)),
+    "forced": Policy(name="forced", forced_drafts=True),
 }

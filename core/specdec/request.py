@@ -16,6 +16,7 @@ import attrs
 from mlx_lm.sample_utils import make_logits_processors
 
 from .errors import RequestError
+from .grammar import Grammar
 from .sampling import Sampler, validate_request
 
 __all__ = ["Request"]
@@ -65,6 +66,10 @@ class Request:
             temperature and the sampling filters: mlx-lm's ``logprobs``) with this many
             most likely alternatives (0: the token's own only) on
             :attr:`StreamResponse.logprob` / ``top_logprobs``.
+        grammar: ``None``, or constrain the output to ``{"json_schema": schema}`` (a dict
+            or its JSON text), ``{"regex": pattern}`` or ``{"lark": grammar}``
+            (:class:`specdec.grammar.Grammar`, llguidance's syntax): every emitted token
+            is one the grammar allows, under speculation too (docs/constrained.md).
     """
 
     max_tokens: int = 256
@@ -84,6 +89,7 @@ class Request:
     logit_bias: Mapping[int, float] | None = None
     prefill_step_size: int = 512
     logprobs: int | None = None
+    grammar: Grammar | None = attrs.field(default=None, converter=Grammar.of)
 
     def __attrs_post_init__(self) -> None:
         # Checked in the order users have always seen the errors; normalized after.

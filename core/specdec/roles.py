@@ -166,6 +166,9 @@ class RoundResult:
         shadows: ``{drafter: tokens}`` of the sessions that the governor gave no budget
             this round and that answered ``shadow()``: what they would have proposed,
             for shadow scoring against ``committed`` (see :class:`specdec.shadow.ShadowScore`).
+        forced: how many of ``block``'s first tokens a constrained request's grammar
+            forced (accepted whatever the drafter proposed after them; ``drafter`` is
+            ``"grammar"`` when they are the whole block); 0 otherwise.
     """
 
     drafter: str | None
@@ -177,6 +180,7 @@ class RoundResult:
     start_position: int = 0
     proposals: dict = attrs.field(factory=dict)
     shadows: dict = attrs.field(factory=dict)
+    forced: int = 0
 
 
 @attrs.define
@@ -239,6 +243,11 @@ class DrafterSession(Protocol):
       when proposing is cheap (a lookup), since it runs on rounds that draft nothing.
     - ``stats() -> dict``: extra per-request statistics, merged into
       ``stats.per_drafter[name]``.
+    - ``drafts_after_forced: bool`` (default ``False``): on a constrained request whose
+      grammar forces the next tokens, ``propose`` may be called with ``history`` ending
+      in those forced tokens, which are not committed yet (they are the block's first
+      tokens and cannot be rejected; ``RoundResult.forced`` counts them). Sessions that
+      do not declare it are not asked on such rounds (the block is the forced tokens).
     """
 
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
@@ -425,6 +434,9 @@ class BaseDrafterSession:
     #: ``shadow(history, max_len) -> Draft | None``: what it would have proposed on a
     #: round the governor gave it no budget (``None``: not asked).
     shadow: Callable[[Sequence[int], int], Draft | None] | None = None
+    #: ``propose`` may be given a history that ends in a grammar's forced tokens, not yet
+    #: committed (see :class:`DrafterSession`).
+    drafts_after_forced: bool = False
 
     def prefill(self, chunk: PrefillChunk) -> None:
         """Ignore prompt chunks."""

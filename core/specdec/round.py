@@ -28,14 +28,18 @@ import mlx.core as mx
 from . import guard
 from .acceptors import auto_acceptor
 from .errors import ComponentError
+from .grammar import FORCED
 from .roles import Acceptance, RoundResult, VerifyResult, optional
 
 __all__ = [
+    "FORCED",
     "Round",
     "RoundKind",
     "accept",
     "check_q",
     "choose_acceptor",
+    "commit_grammar",
+    "constrain",
     "count_block",
     "observe",
     "plan",
@@ -79,6 +83,8 @@ class Round:
         next_sample: the lazy sample of a round that drafted nothing, which the
             lookahead after it was fed.
         t_launch: when the verify forward was queued.
+        forced: how many of the block's first tokens a grammar forced (their own
+            :data:`FORCED` block when no drafter proposed after them).
     """
 
     kind: RoundKind
@@ -100,6 +106,7 @@ class Round:
     committed: bool = False
     next_sample: Any = None
     t_launch: float = 0.0
+    forced: int = 0
 
     @property
     def block_size(self) -> int:
@@ -139,16 +146,31 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
     the governor gives no budget are asked for a shadow proposal instead when the
     governor scores them. The winning draft is checked (:func:`specdec.guard.check_draft`).
 
+    A constrained request that drafts forced tokens (``state.forces``) opens the block
+    with the tokens its grammar forces (:attr:`Round.forced`); the drafters that
+    declare ``drafts_after_forced`` are asked for what follows them, the others are not
+    asked on such a round.
+
     Raises:
         ComponentError: a session or the governor raised (naming it, the round, the call).
         DraftError: the winning draft breaks the :class:`specdec.Draft` contract.
     """
     limit = min(policy.max_block, state.emitter.remaining - 1)
+    forced = state.grammar.forced(limit) if state.forces else []
+    history = state.history
+    if forced:
+        rnd.block, rnd.chosen, rnd.forced = tuple(forced), FORCED, len(forced)
+        rnd.proposals[FORCED] = rnd.block
+        state.stats.grammar["forced"] = state.stats.grammar.get("forced", 0) + len(forced)
+        history = [*history, *forced]
+        limit -= len(forced)
     if limit < policy.min_block:
         return
     gov = state.governor
     shadows = gov is not None and optional(gov, "governor_session", "wants_shadows")
     for name, s in state.sessions:
+        if forced and not optional(s, "drafter_session", "drafts_after_forced"):
+            continue
         if gov is None:
             budget = limit
         else:
@@ -159,27 +181,40 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
         if budget < policy.min_block:
             fn = optional(s, "drafter_session", "shadow") if shadows else None
             if fn is not None:
-                _shadow(state, rnd, name, fn, limit)
+                _shadow(state, rnd, name, fn, limit, history)
             continue
         try:
-            draft = s.propose(state.history, budget)
+            draft = s.propose(history, budget)
         except Exception as exc:
             guard.blame(state, "drafter", name, "propose", exc, rnd.position)
         if draft is None or draft.size < policy.min_block:
             continue
-        guard.check_draft(state, name, draft, budget, rnd.position)
+        guard.check_draft(state, name, draft, budget, rnd.position + len(forced))
         rnd.proposals[name] = draft.tokens
-        rnd.block = draft.tokens
-        rnd.q = draft.probs
         rnd.chosen = name
+        if not forced:
+            rnd.block, rnd.q = draft.tokens, draft.probs
+            return
+        toks = draft.tokens
+        if is_lazy(toks):
+            toks = tuple(int(t) for t in toks.tolist())
+            guard.check_ids(state, name, toks, rnd.position + len(forced))
+            rnd.proposals[name] = toks
+        rnd.block = (*forced, *toks)
+        if draft.probs is not None:  # the forced positions: point masses
+            head = mx.zeros((len(forced), draft.probs.shape[-1]), dtype=draft.probs.dtype)
+            head[mx.arange(len(forced)), mx.array(forced)] = 1.0
+            rnd.q = mx.concatenate([head, draft.probs], axis=0)
         return
 
 
-def _shadow(state: Any, rnd: Round, name: str, shadow: Any, limit: int) -> None:
+def _shadow(
+    state: Any, rnd: Round, name: str, shadow: Any, limit: int, history: Sequence[int]
+) -> None:
     """Ask a session the governor refused what it would have proposed (shadow scoring)."""
     t0 = time.perf_counter()
     try:
-        draft = shadow(state.history, limit)
+        draft = shadow(history, limit)
     except Exception as exc:
         guard.blame(state, "drafter", name, "shadow", exc, rnd.position)
     if draft is not None and draft.size:
@@ -187,6 +222,40 @@ def _shadow(state: Any, rnd: Round, name: str, shadow: Any, limit: int) -> None:
         rnd.shadows[name] = tuple(toks.tolist()) if is_lazy(toks) else tuple(toks)
         state.stats.shadow_proposals += 1
     state.stats.shadow_time_s += time.perf_counter() - t0
+
+
+def constrain(state: Any, rnd: Round) -> None:
+    """A constrained request's block (settled) cut before the first token its grammar
+    forbids or a stop token, and the grammar's mask filled for every position to verify
+    (the matcher advanced through the block until :func:`commit_grammar`); nothing
+    without a grammar.
+
+    Raises:
+        DraftError: an id read back from a lazy block is outside the vocabulary.
+        ComponentError: the grammar engine failed.
+    """
+    g = state.grammar
+    if g is None:
+        return
+    block = settle(rnd, state)
+    n = g.advance(block)
+    if n < len(block):
+        gs = state.stats.grammar
+        gs["cut"] = gs.get("cut", 0) + len(block) - n
+        rnd.block = block[:n]
+        if rnd.q is not None:
+            rnd.q = rnd.q[:n] if n else None
+        if n <= rnd.forced:  # nothing of the drafter's is left
+            rnd.chosen = FORCED if n else None
+    if rnd.q is not None:
+        # the drafts verified are those q drew inside the mask: q conditioned on it
+        rnd.q = g.renormalise(rnd.q)
+
+
+def commit_grammar(state: Any, n_accepted: int, token: int) -> None:
+    """The round committed: the grammar matcher keeps the accepted tokens and ``token``."""
+    if state.grammar is not None:
+        state.grammar.commit(n_accepted, token)
 
 
 def check_q(state: Any, rnd: Round, n_accepted: int) -> None:
@@ -292,10 +361,15 @@ def result(state: Any, rnd: Round, n_acc: int, token: int) -> RoundResult:
         stats.drafted += len(block)
         stats.accepted += n_acc
         stats.rounds_with_draft += 1
+        f = rnd.forced if rnd.chosen != FORCED else 0  # forced tokens before a draft
         pd = stats.per_drafter[rnd.chosen]
         pd["rounds"] += 1
-        pd["drafted"] += len(block)
-        pd["accepted"] += n_acc
+        pd["drafted"] += len(block) - f
+        pd["accepted"] += n_acc - f
+        if f:
+            pd = stats.per_drafter[FORCED]
+            pd["drafted"] += f
+            pd["accepted"] += f
     return RoundResult(
         drafter=rnd.chosen,
         block=tuple(block),
@@ -306,6 +380,7 @@ def result(state: Any, rnd: Round, n_acc: int, token: int) -> RoundResult:
         start_position=rnd.position,
         proposals={k: tuple(v.tolist()) if is_lazy(v) else v for k, v in rnd.proposals.items()},
         shadows=rnd.shadows,
+        forced=rnd.forced,
     )
 
 
@@ -373,8 +448,10 @@ def observe(state: Any, res: RoundResult) -> None:
     if gov is not None:
         t0 = time.perf_counter()
         try:
-            if res.drafter is not None:
-                gov.observe(res.drafter, len(res.block), res.n_accepted)
+            if res.drafter is not None and res.drafter != FORCED:
+                # a grammar's forced tokens are nobody's draft
+                f = res.forced
+                gov.observe(res.drafter, len(res.block) - f, res.n_accepted - f)
             gov.observe_round(res)
         except Exception as exc:
             guard.blame(state, "governor", state.governor_name, "observe", exc, position)

@@ -100,7 +100,7 @@ class SingleDriver:
         """
         state, coord, em = self.state, self.coord, self.state.emitter
         max_tokens = state.request.max_tokens
-        plain = not state.sessions
+        plain = not state.sessions and not state.forces
         state.t_start = time.perf_counter()
         queued: Round | None = None
         idle = 0  # rounds in a row that drafted nothing
@@ -115,9 +115,13 @@ class SingleDriver:
             queued = None
             more = self.on_round is None and coord.local and em.n_out + 1 < max_tokens
             can_queue = (
-                more and self.pipe.lookahead and not state.processors and em.n_out + 2 < max_tokens
+                more
+                and self.pipe.lookahead
+                and not state.processors
+                and state.grammar is None  # its mask needs the token read back first
+                and em.n_out + 2 < max_tokens
             )
-            if plain and more:
+            if plain and more and state.grammar is None:
                 queued = self._start_round(rnd)
             elif can_queue and rnd.chosen is None and idle >= IDLE_LOOKAHEAD:
                 # Drafting has paused: queue the next round as a plain step now, as
@@ -160,7 +164,7 @@ class SingleDriver:
         (fed its lazy token).
         """
         pipe, state, coord = self.pipe, self.state, self.coord
-        if not state.sessions:  # a plain step, sampled lazily
+        if not state.sessions and not state.forces:  # a plain step, sampled lazily
             position = len(state.history) + (1 if after is not None else 0)
             tok = after.token if after is not None else mx.array(state.history[-1:])
             coord.round(state, Round(kind=RoundKind.PLAIN, position=position))
@@ -173,6 +177,9 @@ class SingleDriver:
                     state.history_array = mx.concatenate([state.history_array, after.token])
                 for p in state.processors:
                     logits = p(state.history_array, logits)
+            if state.grammar is not None:  # after the processors, as in a round
+                state.grammar.advance(())
+                logits = state.grammar.apply(logits[-1:])
             y = state.sampler.sample_lazy(logits[-1:], position)
             self._launch(y)
             return Round(
@@ -188,10 +195,21 @@ class SingleDriver:
         return rnd
 
     def _plan(self, rnd: Round) -> None:
-        """Plan, coordinate, count the block."""
+        """Plan (a constrained request's block cut to its grammar), coordinate, count the
+        block."""
         phases.plan(self.state, self.pipe.policy, rnd)
-        self.coord.round(self.state, rnd)
+        try:
+            phases.constrain(self.state, rnd)
+            self.coord.round(self.state, rnd)
+        except BaseException:
+            self._undo_grammar()
+            raise
         phases.count_block(self.state.stats, rnd)
+
+    def _undo_grammar(self) -> None:
+        """A round that failed before it committed: the grammar matcher goes back too."""
+        if self.state.grammar is not None:
+            self.state.grammar.undo()
 
     def _launch_round(self, rnd: Round, on: Round | None = None) -> None:
         """Open the transaction and queue the verify forward of ``[last, *block]``.
@@ -232,6 +250,7 @@ class SingleDriver:
                 and rnd.acceptor == "greedy"
                 and state.sampler.is_greedy
                 and not state.processors
+                and state.grammar is None
                 and self.coord.local
             ):
                 # The verifier projects rows on demand: queue the backbone only, and
@@ -243,9 +262,12 @@ class SingleDriver:
                 rnd.logits = phases.process(
                     rnd.vr.logits, state.history, rnd.block, state.processors
                 )
+                if state.grammar is not None:
+                    rnd.logits = state.grammar.apply(rnd.logits)
                 self._launch(rnd.logits)
         except BaseException:
             rnd.txn.abort()
+            self._undo_grammar()
             raise
 
     def _start_lookahead(self, rnd: Round) -> Round:
@@ -334,7 +356,9 @@ class SingleDriver:
         state = self.state
         stats = state.stats
         if rnd.kind is RoundKind.PLAIN:
-            return phases.plain_result(rnd, self._read(rnd.token), None)
+            tok = self._read(rnd.token)
+            phases.commit_grammar(state, 0, tok)
+            return phases.plain_result(rnd, tok, None)
         if rnd.next_sample is not None and not rnd.block and rnd.acceptor in _PLAIN_WHEN_EMPTY:
             # Nothing drafted: these acceptors draw the plain sample of the position, which
             # the lookahead already drew (lazily, with the same key): read it back.
@@ -349,6 +373,7 @@ class SingleDriver:
             else:
                 acc = phases.accept(self.pipe.acceptors, rnd, state.sampler, state)
             phases.check_q(state, rnd, acc.n_accepted)
+            phases.commit_grammar(state, acc.n_accepted, acc.token)
             t_commit = time.perf_counter()
             stats.wait_time_s += t_commit - t0
             # Lazy: the next forward evaluates what the rollback built (no second sync).
@@ -361,6 +386,7 @@ class SingleDriver:
         except BaseException:
             if not rnd.committed:
                 rnd.txn.abort()
+            self._undo_grammar()
             raise
         t_done = time.perf_counter()
         if rnd.block:  # a round with nothing drafted has nothing to roll back

@@ -74,6 +74,12 @@ class Stats:
             judged by projecting the target's logits one position at a time until the
             first rejection, ``rows`` projected, ``skipped`` (positions after a rejection,
             whose logits were never computed); empty otherwise.
+        grammar: for a constrained request: its grammar's ``kind``, ``forced`` (tokens
+            the grammar forced that were drafted: they are also in ``drafted`` and
+            ``accepted``, and in ``per_drafter["grammar"]`` for rounds they were the
+            whole block), ``cut`` (drafted tokens the grammar forbade, cut before
+            verify), ``mask_time_s`` (the grammar engine's time building masks and
+            cutting blocks); empty otherwise.
         finish_reason: ``"stop"`` or ``"length"``.
     """
 
@@ -108,6 +114,7 @@ class Stats:
     distributed: dict = attrs.field(factory=dict)
     batch_rows: dict = attrs.field(factory=dict)
     row_projection: dict = attrs.field(factory=dict)
+    grammar: dict = attrs.field(factory=dict)
     finish_reason: str | None = None
 
     @property

@@ -21,6 +21,7 @@ from ..assembly import assemble
 from ..plugins import PluginHost, get_plugin_host, reset_plugin_host
 from ..policy import Policy
 from ..presets import load_policy
+from ..request import Request
 from ..sampling import Sampler
 
 
@@ -448,17 +449,24 @@ def _exact_joint(
     depth: int,
     floor: float = 1e-6,
     tokenizer: Any = None,
+    grammar: Any = None,
 ) -> dict:
     """The target's exact joint distribution of the next ``depth`` tokens (above ``floor``),
-    from the logits of the plain path users get."""
+    from the logits of the plain path users get; with ``grammar``, each position's
+    logits masked by the grammar's state after the tokens before it."""
     plain = _plain(model, tokenizer)
     out: dict[tuple, float] = {}
+    g = plain.grammar_state(Request(grammar=grammar)) if grammar is not None else None
 
     def rec(prefix: tuple, prob: float) -> None:
         if len(prefix) == depth:
             out[prefix] = prob
             return
         logits = _plain_next_logits(plain, prompt + list(prefix))
+        if g is not None:
+            assert g.advance(prefix) == len(prefix), "a prefix the grammar forbids"
+            logits = g.apply(logits.astype(mx.float32))
+            g.undo()
         p = np.array(sampler.probs(logits.astype(mx.float32))[0])
         for t in np.nonzero(p * prob > floor)[0]:
             rec(prefix + (int(t),), prob * float(p[t]))
@@ -511,9 +519,14 @@ def check_sampled_distribution(
     alpha: float = 1e-3,
     tokenizer: Any = None,
     require_drafts: bool = True,
+    grammar: Any = None,
     **sampler_kwargs: Any,
 ) -> float:
     """Assert the joint distribution of the first ``max_tokens`` sampled tokens is the target's (chi-square).
+
+    With ``grammar`` (a request's ``grammar``) the requests are constrained and the
+    reference is the target's distribution under the grammar's masks (its first
+    ``max_tokens`` tokens must not finish the grammar).
 
     Returns:
         the p-value (asserted > ``alpha``).
@@ -521,7 +534,8 @@ def check_sampled_distribution(
     _, spec = _pipes(model, policy, tokenizer)
     prompt = list(prompt_tokens)
     sampler = Sampler(temperature=temperature, seed=0, **sampler_kwargs)
-    exact = _exact_joint(model, prompt, sampler, max_tokens, tokenizer=tokenizer)
+    exact = _exact_joint(model, prompt, sampler, max_tokens, tokenizer=tokenizer, grammar=grammar)
+    extra = {} if grammar is None else {"grammar": grammar}
     counts: Counter = Counter()
     drafted = accepted = 0
     for seed in range(n_samples):
@@ -531,6 +545,7 @@ def check_sampled_distribution(
             temperature=temperature,
             seed=10_000 + seed,
             **sampler_kwargs,
+            **extra,
         )
         counts[tuple(out.tokens)] += 1
         drafted += out.stats.drafted

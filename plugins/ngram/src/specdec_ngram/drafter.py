@@ -308,6 +308,11 @@ class NgramCopySession(BaseDrafterSession):
             ``stats()["sizing_used"]``).
     """
 
+    #: a constrained request's forced tokens may end the history ``propose`` is given:
+    #: they are indexed like committed ones (they cannot be rejected), and what follows
+    #: them is copied; ``_outcome`` leaves them out of this drafter's acceptance.
+    drafts_after_forced = True
+
     def __init__(
         self, drafter: NgramCopyDrafter, prompt_tokens: Sequence[int], *, cost: Any = None
     ) -> None:
@@ -678,16 +683,18 @@ class NgramCopySession(BaseDrafterSession):
         with the chance the target gives it: a one-sample estimate of the same rate).
         Without it, a run of fully accepted short blocks never shows that longer
         ones would pay: the positions past them keep their prior."""
-        k, n = len(result.block), result.n_accepted
+        f = result.forced  # a grammar's forced tokens before this drafter's
+        block, n = result.block[f:], result.n_accepted - f
+        k = len(block)
         nxt = self._next
         if (
             self.drafter.learn_bonus
             and nxt is not None
-            and list(result.block) == self._proposed  # not cut short by the core
+            and list(block) == self._proposed  # not cut short by the core
             and n == k
-            and len(result.committed) == k + 1
+            and len(result.committed) == f + k + 1
         ):
-            return k + 1, k + 1 if result.committed[k] == nxt else k
+            return k + 1, k + 1 if result.committed[f + k] == nxt else k
         return k, n
 
     def _learn(self, bucket: int, proposed: int, accepted: int, *, start: int = 0) -> None:

@@ -1,0 +1,236 @@
+"""Grammar-constrained decoding (``Request.grammar``, :mod:`specdec.grammar`): output the
+grammar allows, greedy output identical to constrained plain decoding, the constrained
+distribution kept under sampling (with draft probabilities too), forced tokens drafted
+and accepted, bad grammars refused before any model work."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import specdec
+from core_support import oracle_policy, write_json_tokenizer
+from specdec.errors import RequestError
+from specdec.grammar import Grammar
+from specdec.testing import (
+    check_greedy_identity,
+    check_sampled_distribution,
+    check_sampled_identity,
+    make_tiny_model,
+)
+
+VOCAB = 320
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "city": {"enum": ["Portland", "Paris"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "city", "age"],
+    "additionalProperties": False,
+}
+REGEX = "(yes|no|maybe) [0-9]{2,4}"
+LARK = 'start: "[" item ("," item)* "]"\nitem: "true" | "false" | "null"'
+
+GRAMMARS = {
+    "json_schema": {"json_schema": SCHEMA},
+    "regex": {"regex": REGEX},
+    "lark": {"lark": LARK},
+}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return write_json_tokenizer(tmp_path_factory.mktemp("json-tokenizer"), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama", vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def prompt(tok):
+    return tok.encode('Alice Johnson lives in Portland. {"name":"Alice","city":"Portland"} yes 42')
+
+
+def valid(kind: str, text: str) -> bool:
+    if kind == "json_schema":
+        out = json.loads(text)
+        return (
+            set(out) == {"name", "city", "age"}
+            and out["city"] in ("Portland", "Paris")
+            and 0 <= out["age"] <= 99
+            and len(out["name"]) <= 8
+        )
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    return re.fullmatch(r"\[(true|false|null)(,(true|false|null))*\]", text) is not None
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+def test_constrained_output_is_valid(model, tok, prompt, kind):
+    """Plain and speculative constrained output both finish a valid document."""
+    for policy in ("none", "forced"):
+        pipe = specdec.assemble(model, tok, policy)
+        r = pipe.generate(prompt, max_tokens=120, grammar=GRAMMARS[kind])
+        assert r.finish_reason == "stop", (policy, r.text)
+        assert valid(kind, r.text), (policy, r.text)
+        assert r.stats.grammar["kind"] == kind
+    assert r.stats.grammar["forced"] > 0  # the forced policy drafted forced tokens
+    assert r.stats.per_drafter["grammar"]["accepted"] == r.stats.grammar["forced"]
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+@pytest.mark.parametrize("policy", ["forced", "oracle"])
+def test_greedy_identity_under_grammar(model, tok, prompt, kind, policy):
+    pol = (
+        oracle_policy(model, corruption=0.3, block=4, forced_drafts=True)
+        if policy == "oracle"
+        else policy
+    )
+    tot = check_greedy_identity(
+        model,
+        pol,
+        prompt,
+        tokenizer=tok,
+        max_tokens_list=[1, 2, 3, 5, 8, 13, 40],
+        grammar=GRAMMARS[kind],
+    )
+    assert tot["target_forwards"] < tot["plain_forwards"]
+
+
+def test_drafts_the_grammar_forbids_are_cut(model, tok, prompt):
+    """The oracle drafts the unconstrained continuation: the grammar cuts the tokens it
+    forbids before verify, and what is left is accepted."""
+    grammar = {"regex": "[^;]{10,80};"}
+    pipe = specdec.assemble(model, tok, oracle_policy(model, block=6, forced_drafts=False))
+    r = pipe.generate(prompt, max_tokens=60, grammar=grammar)
+    g = r.stats.grammar
+    assert g["cut"] > 0 and r.stats.per_drafter["oracle"]["accepted"] > 0, r.stats
+    assert g["forced"] == 0  # forced_drafts off
+    plain = specdec.assemble(model, tok, "none").generate(prompt, max_tokens=60, grammar=grammar)
+    assert plain.tokens == r.tokens
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "lark"])
+def test_seeded_sampling_identity_under_grammar(model, tok, prompt, kind):
+    check_sampled_identity(
+        model,
+        oracle_policy(model, corruption=0.3, block=4, forced_drafts=True),
+        prompt,
+        tokenizer=tok,
+        seeds=range(4),
+        max_tokens=30,
+        temperature=1.0,
+        grammar=GRAMMARS[kind],
+    )
+
+
+def test_sampled_distribution_with_draft_probabilities(model, tok, prompt):
+    """A draft model's ``q`` is conditioned on the grammar's mask: the joint of the first
+    two tokens is the target's under the grammar (chi-square)."""
+    # the target's weights with a flatter head: q near p, so drafts are accepted
+    draft = make_tiny_model("llama", vocab_size=VOCAB, seed=1, sharpness=4.0)
+    policy = specdec.Policy(
+        name="dm",
+        drafters=("draft_model",),
+        options={"draft_model": {"model": draft, "num_draft_tokens": 2}},
+    )
+    check_sampled_distribution(
+        model,
+        policy,
+        prompt,
+        tokenizer=tok,
+        max_tokens=2,
+        n_samples=1200,
+        grammar={"regex": "[a-z ]{3,12};"},
+    )
+
+
+def test_renormalise_conditions_q_on_the_mask(model, tok, prompt):
+    """Draft probabilities become ``q * mask / sum(q * mask)`` row by row, each row with
+    the mask after the block's tokens before it (a draft the mask forbids ends the block,
+    so the drafts verified were drawn inside it)."""
+    import mlx.core as mx
+    import numpy as np
+
+    pipe = specdec.assemble(model, tok, "none")
+    g = pipe.grammar_state(specdec.Request(grammar={"regex": "(ab|cd)x+"}))
+    a, b = tok.encode("a")[0], tok.encode("b")[0]
+    assert g.advance([a, b]) == 2  # rows 0, 1, 2 filled
+    q = mx.softmax(mx.random.normal((2, VOCAB)), axis=-1)
+    out = np.array(g.renormalise(q))
+    for i in range(2):
+        allowed = np.array([g.allows(i, t) for t in range(VOCAB)])
+        want = np.where(allowed, np.array(q[i]), 0.0)
+        np.testing.assert_allclose(out[i], want / want.sum(), rtol=1e-5, atol=1e-7)
+    assert not allowed.all() and allowed.sum() >= 1
+    g.undo()
+    assert g.advance([b]) == 0  # "b" cannot start the output: the walk stops there
+
+
+def test_forced_only_policy_counts(model, tok, prompt):
+    pipe = specdec.assemble(model, tok, "forced")
+    r = pipe.generate(prompt, max_tokens=60, grammar=GRAMMARS["lark"])
+    s = r.stats
+    assert s.target_forwards < s.generation_tokens
+    assert s.drafted == s.accepted == s.grammar["forced"] > 0
+    assert s.grammar["mask_time_s"] > 0
+    # without a grammar the forced preset decodes plainly
+    r = pipe.generate(prompt, max_tokens=8)
+    assert r.stats.drafted == 0 and r.stats.grammar == {}
+
+
+def test_policy_forced_drafts():
+    assert specdec.Policy(drafters=("x",)).forces
+    assert not specdec.Policy().forces
+    assert specdec.Policy(forced_drafts=True).forces
+    assert not specdec.Policy(drafters=("x",), forced_drafts=False).forces
+    with pytest.raises(specdec.PolicyError, match="forced_drafts must be true, false"):
+        specdec.Policy(forced_drafts="yes")
+
+
+@pytest.mark.parametrize(
+    ("grammar", "match"),
+    [
+        ({"json": {}}, "grammar must be one of"),
+        ({"json_schema": {"type": "foo"}}, "Invalid type: foo"),
+        ({"json_schema": "{not json"}, "json_schema is not valid"),
+        ({"json_schema": [1]}, "must be a JSON object"),
+        ({"regex": "("}, "unclosed group"),
+        ({"regex": ""}, "non-empty string"),
+        ({"lark": "start: foo"}, 'unknown name: "foo"'),
+        ("start: x", "grammar must be one of"),
+    ],
+)
+def test_bad_grammar_is_a_request_error(grammar, match):
+    with pytest.raises(RequestError, match=match):
+        specdec.Request(grammar=grammar)
+
+
+def test_bad_grammar_refused_before_model_work(model, tok, prompt):
+    pipe = specdec.assemble(model, tok, "forced")
+    rollback_less = {"lark": "start: txt\ntxt[max_tokens=3]: /[a-z]+/"}
+    with pytest.raises(RequestError, match="cannot be rolled back"):
+        pipe.check_request(grammar=rollback_less)
+    with pytest.raises(RequestError, match="cannot be rolled back"):
+        next(iter(pipe.stream(prompt, grammar=rollback_less)))
+    with pytest.raises(RequestError, match="Invalid type"):
+        pipe.check_request(grammar={"json_schema": {"type": "foo"}})
+    with pytest.raises(RequestError, match="has none"):
+        specdec.assemble(model, None, "none").check_request(grammar={"regex": "a+"})
+    with pytest.raises(RequestError, match="rows of a batch"):
+        specdec.assemble(model, tok, "none").batch().add(prompt, grammar={"regex": "a+"})
+    # the pipeline serves the next request
+    assert pipe.generate(prompt, max_tokens=20, grammar={"regex": "a+"}).text.startswith("a")
+
+
+def test_grammar_record_is_frozen_and_reused():
+    g = Grammar.of({"json_schema": json.dumps(SCHEMA)})
+    assert Grammar.of(g) is g and g.kind == "json_schema"
+    assert specdec.Request(grammar=g).grammar is g
+    assert json.loads(g.source) == SCHEMA
