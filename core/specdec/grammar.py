@@ -24,6 +24,7 @@ request's ``stop_tokens``) only where the grammar may end, and the stream ends t
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -124,11 +125,13 @@ def grammar_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
     eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
     if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
         eos = {tokenizer.eos_token_id}
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the HF one
-    import llguidance.hf  # noqa: PLC0415
-
     try:
-        return llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=sorted(eos) or None)
+        # a Hugging Face fast tokenizer's Rust tokenizer (mlx-lm's wrapper forwards the
+        # attribute), serialised as llguidance.hf.from_tokenizer does
+        backend = copy.copy(tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return _lg().LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=sorted(eos) or None)
     except (ValueError, TypeError, AttributeError) as exc:
         raise RequestError(
             f"this tokenizer cannot be used for constrained decoding ({exc}); llguidance "
@@ -136,12 +139,11 @@ def grammar_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
         ) from exc
 
 
-_SHIFTS = mx.arange(32, dtype=mx.uint32)
-
-
 @mx.compile
 def _masked(words: mx.array, logits: mx.array) -> mx.array:
-    bits = ((words[:, :, None] >> _SHIFTS) & 1).reshape(words.shape[0], -1)
+    # built here, not at import: a server's worker thread has its own stream
+    shifts = mx.arange(32, dtype=mx.uint32)
+    bits = ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1)
     bits = bits[:, : logits.shape[-1]].astype(mx.bool_)
     return mx.where(bits, logits, mx.array(-mx.inf, dtype=logits.dtype))
 

@@ -263,7 +263,7 @@ def _post(ant, body):
         (
             {"tool_choice": {"type": "any"}},
             anthropic.BadRequestError,
-            'tool_choice {"type": "any"} is not supported yet',
+            "tool_choice 'required' needs tools",
         ),
         ({"mcp_servers": [{"type": "url", "url": "x"}]}, anthropic.BadRequestError, "mcp_servers"),
         ({"model": "no-such-model"}, anthropic.NotFoundError, "no-such-model"),

@@ -392,11 +392,6 @@ def test_tool_choice_auto_and_none(tool_server, ant):
             {"tool_choice": {"type": "tool", "name": "nope"}},
             "tool_choice names tool 'nope'; the request's tools are get_weather",
         ),
-        ({"tool_choice": {"type": "any"}}, 'tool_choice {"type": "any"} is not supported yet'),
-        (
-            {"tool_choice": {"type": "tool", "name": "get_weather"}},
-            "is not supported yet: forcing a call needs constrained decoding",
-        ),
         ({"tool_choice": {"type": "required"}}, "tool_choice must be"),
         ({"tool_choice": "auto"}, "tool_choice must be"),
         (

@@ -184,10 +184,10 @@ def test_penalties_and_logit_bias_reach_the_pipeline(server, client):
         (
             {
                 "messages": [{"role": "user", "content": "hi"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {"type": "xml"},
             },
             400,
-            "response_format is not supported",
+            "response_format must be",
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3},

@@ -146,10 +146,9 @@ def test_results_of_calls_render_back_through_the_template(tool_server):
             {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "names function 'nope'",
         ),
-        ({"tool_choice": "required"}, '"required" is not supported yet'),
         (
-            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-            "naming a function is not supported yet",
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "without response_format",
         ),
         ({"tool_choice": "sometimes"}, "tool_choice must be"),
         ({"tools": [{"type": "function"}]}, "tools[0] must be"),

@@ -15,9 +15,10 @@ Tool use goes through the OpenAI route's machinery (:mod:`specdec_serve.tools`):
 chat template, ``tool_use`` / ``tool_result`` blocks become an assistant's
 ``tool_calls`` and ``tool`` messages, and the calls the model writes are split out
 with ``CallSplitter`` and parsed with mlx-lm's parser (``Server._released``) into
-``tool_use`` blocks. ``tool_choice`` ``any`` and ``tool`` (forcing a call needs
-constrained decoding), server tools, images, documents, extended thinking and a final
-assistant message (prefilling the answer) are refused with a 400, not ignored.
+``tool_use`` blocks; ``tool_choice`` ``any`` and ``tool`` force a call (constrained
+decoding, as the OpenAI route's ``required`` / a named function). Server tools, images,
+documents, extended thinking and a final assistant message (prefilling the answer) are
+refused with a 400, not ignored.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ if TYPE_CHECKING:  # pragma: no cover
 #: given and not empty.
 UNSUPPORTED = ("mcp_servers", "container")
 
-#: ``tool_choice`` types: ``auto`` and ``none`` are served, ``any`` and ``tool`` (forcing
-#: a call) are refused until the server has constrained decoding.
+#: ``tool_choice`` types: ``auto``, ``none``, and ``any`` / ``tool`` (a call forced by
+#: constrained decoding, as OpenAI's ``required`` / a named function).
 TOOL_CHOICES = ("auto", "none", "any", "tool")
 
 #: Roles a message may have (a system prompt goes in the top-level ``system`` field).
@@ -204,20 +205,13 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def _forcing(what: str) -> APIError:
-    return APIError(
-        f"tool_choice {what} is not supported yet: forcing a call needs constrained "
-        'decoding, which this server does not have; use {"type": "auto"} (the model decides)'
-    )
-
-
 def tool_request(body: dict) -> dict:
     """The request's ``tools`` and ``tool_choice`` as the OpenAI route's fields
     (``{"tools", "tool_choice"}``, for ``check_tools``), their Anthropic shapes checked:
     client tools ``{name, description, input_schema}`` as function tools,
-    ``{"type": "auto" | "none"}`` as ``"auto"`` / ``"none"``; ``any`` and ``tool``
-    are refused (a ``tool`` naming none of the request's tools says which it has),
-    as are server tools and ``disable_parallel_tool_use: true`` (nothing here limits
+    ``{"type": "auto" | "none" | "any"}`` as ``"auto"`` / ``"none"`` / ``"required"``,
+    ``{"type": "tool", "name"}`` as a named function (one naming none of the request's
+    tools says which it has); refused: server tools and ``disable_parallel_tool_use: true`` (nothing here limits
     the model to one call)."""
     tools = body.get("tools")
     out: dict[str, Any] = {}
@@ -271,10 +265,9 @@ def tool_request(body: dict) -> dict:
         if name not in names:
             have = f"the request's tools are {', '.join(names)}" if names else "it has no tools"
             raise APIError(f"tool_choice names tool {name!r}; {have}")
-        raise _forcing(f'{{"type": "tool", "name": {json.dumps(name)}}}')
-    if kind == "any":
-        raise _forcing('{"type": "any"}')
-    out["tool_choice"] = kind
+        out["tool_choice"] = {"type": "function", "function": {"name": name}}
+        return out
+    out["tool_choice"] = "required" if kind == "any" else kind
     return out
 
 
@@ -342,7 +335,7 @@ async def messages(server: Server, request: Request) -> Any:
         if not isinstance(body.get("model"), str):
             raise APIError("model: field required (the served model's id)")
         params = sampling(body)
-        tools = server._tools(tool_request(body), True)  # check_tools, as a chat request's
+        tools, forced = server._tools(tool_request(body), True)  # as a chat request's
         msgs = chat_messages(body)
         if any(m["role"] == "tool" or m.get("tool_calls") for m in msgs) and not getattr(
             engine.tokenizer, "has_tool_calling", False
@@ -353,7 +346,7 @@ async def messages(server: Server, request: Request) -> Any:
             )
         policy = server._policy(body)
         ids = server._prompt({"messages": msgs}, True, tools)
-        params = _params(params, engine, len(ids))
+        params = _params(params, engine, len(ids), grammar=forced)
         stream = body.get("stream", False)
         if stream is None:
             stream = False

@@ -29,11 +29,17 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, S
 from starlette.routing import Route
 
 from .engine import Engine, Job
-from .tools import CallSplitter, ToolError, check_tools, clean_messages, parse_call
+from .tools import (
+    CallSplitter,
+    ToolError,
+    call_grammar,
+    check_tools,
+    clean_messages,
+    parse_call,
+)
 
 #: Request fields that ask for something this server does not do: refused, not ignored.
 UNSUPPORTED = (
-    "response_format",
     "echo",
     "best_of",
     "suffix",
@@ -124,8 +130,54 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return n
 
 
-def _params(body: dict, engine: Engine, prompt_len: int, *, chat: bool = True) -> dict:
-    """``Pipeline.stream`` keyword arguments from the request body (checked)."""
+def output_grammar(body: dict) -> dict | None:
+    """The request ``grammar`` that ``response_format`` or ``grammar`` asks for (``None``:
+    free text): ``{"type": "json_object"}`` (any JSON object), ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}``, ``{"type": "text"}``; or this
+    server's ``grammar`` field, ``{"regex": pattern}`` or ``{"lark": grammar}``
+    (llguidance's syntax; a ``{"json_schema": schema}`` too).
+
+    Raises:
+        APIError: another shape, or both fields.
+    """
+    rf, grammar = body.get("response_format"), body.get("grammar")
+    if rf is not None and grammar is not None:
+        raise APIError(
+            "send response_format or grammar, not both", param="grammar", code="invalid_value"
+        )
+    if grammar is not None:
+        return grammar  # its shape is checked by specdec.Request (a 400 naming it)
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": '
+                f"{{...}}}}}}, got {js!r:.200}",
+                param="response_format",
+                code="invalid_value",
+            )
+        return {"json_schema": schema}
+    raise APIError(
+        'response_format must be {"type": "text"}, {"type": "json_object"} or '
+        f'{{"type": "json_schema", "json_schema": {{...}}}}, got {rf!r:.200}',
+        param="response_format",
+        code="invalid_value",
+    )
+
+
+def _params(
+    body: dict, engine: Engine, prompt_len: int, *, chat: bool = True, grammar: dict | None = None
+) -> dict:
+    """``Pipeline.stream`` keyword arguments from the request body (checked); ``grammar``
+    (a forced tool call's) or the body's ``response_format`` / ``grammar``."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = 256
@@ -217,6 +269,17 @@ def _params(body: dict, engine: Engine, prompt_len: int, *, chat: bool = True) -
                 code="invalid_value",
             )
     logprobs = _logprobs(body, chat)
+    if grammar is None:
+        grammar = output_grammar(body)
+    elif body.get("response_format") is not None or body.get("grammar") is not None:
+        raise APIError(
+            "tool_choice required or a named function constrains the answer to a call: "
+            "send it without response_format / grammar",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if grammar is not None:
+        penalties["grammar"] = grammar
     return {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -471,9 +534,10 @@ class Server:
 
         return await messages(self, request)
 
-    def _tools(self, body: dict, chat: bool) -> list[dict] | None:
+    def _tools(self, body: dict, chat: bool) -> tuple[list[dict] | None, dict | None]:
         """The request's tools to render and parse (``None``: no tools, or
-        ``tool_choice: "none"``); checked before any model work."""
+        ``tool_choice: "none"``) and the ``grammar`` that forces a call (``tool_choice``
+        ``required`` or a named function; else ``None``); checked before any model work."""
         if not chat:
             for name in ("tools", "tool_choice", "functions"):
                 if body.get(name) not in (None, [], {}):
@@ -482,12 +546,16 @@ class Server:
                         param=name,
                         code="unsupported",
                     )
-            return None
+            return None, None
+        eng = self.engine
         try:
-            tools, _ = check_tools(body, self.engine.tokenizer, self.engine.model_name)
+            tools, choice, names = check_tools(body, eng.tokenizer, eng.model_name)
+            if choice == "required":
+                assert tools is not None
+                return tools, call_grammar(tools, names, eng.tokenizer, eng.model_name)
         except ToolError as exc:
             raise APIError(str(exc), param=exc.param, code="invalid_value") from exc
-        return tools
+        return tools, None
 
     def _prompt(self, body: dict, chat: bool, tools: list[dict] | None = None) -> list[int]:
         if chat:
@@ -541,9 +609,9 @@ class Server:
         try:
             body = await self._body(request)
             policy = self._policy(body)
-            tools = self._tools(body, chat)
+            tools, forced = self._tools(body, chat)
             ids = self._prompt(body, chat, tools)
-            params = _params(body, self.engine, len(ids), chat=chat)
+            params = _params(body, self.engine, len(ids), chat=chat, grammar=forced)
             stream = body.get("stream", False)
             if stream is None:
                 stream = False

@@ -30,15 +30,17 @@ class ToolError(ValueError):
         self.param = param
 
 
-def check_tools(body: dict, tokenizer: Any, model_name: str) -> tuple[list[dict] | None, str]:
-    """The request's ``tools`` to render (``None``: none, or ``tool_choice: "none"``) and
-    its ``tool_choice`` (``"auto"`` or ``"none"``).
+def check_tools(
+    body: dict, tokenizer: Any, model_name: str
+) -> tuple[list[dict] | None, str, list[str]]:
+    """The request's ``tools`` to render (``None``: none, or ``tool_choice: "none"``), its
+    ``tool_choice`` (``"auto"``, ``"none"``, or ``"required"`` for ``required`` and a
+    named function) and the functions a ``required`` call may name (the named one, or
+    all of them).
 
     Raises:
         ToolError: malformed tools, a tool_choice naming a function the request does
-            not define, ``required`` or a named function (they need constrained
-            decoding, which this server does not have yet), or tools for a chat
-            template without a tool-call format.
+            not define, or tools for a chat template without a tool-call format.
     """
     tools = body.get("tools")
     choice = body.get("tool_choice")
@@ -50,7 +52,7 @@ def check_tools(body: dict, tokenizer: Any, model_name: str) -> tuple[list[dict]
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise ToolError(f"tool_choice {choice!r} needs tools", "tool_choice")
-        return None, "none"
+        return None, "none", []
     if not isinstance(tools, list):
         raise ToolError("tools must be a list of {type: function, function: {...}}", "tools")
     names: list[str] = []
@@ -72,6 +74,7 @@ def check_tools(body: dict, tokenizer: Any, model_name: str) -> tuple[list[dict]
         names.append(name)
     if choice is None:
         choice = "auto"
+    allowed = names
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -86,31 +89,63 @@ def check_tools(body: dict, tokenizer: Any, model_name: str) -> tuple[list[dict]
                 f"tool_choice names function {name!r}; the request's tools are {', '.join(names)}",
                 "tool_choice",
             )
-        raise ToolError(
-            "tool_choice naming a function is not supported yet: forcing a call needs "
-            'constrained decoding; use "auto" (the model decides)',
-            "tool_choice",
-        )
-    if choice == "required":
-        raise ToolError(
-            'tool_choice "required" is not supported yet: forcing a call needs constrained '
-            'decoding; use "auto" (the model decides)',
-            "tool_choice",
-        )
-    if choice not in ("auto", "none"):
+        choice, allowed = "required", [name]
+    if choice not in ("auto", "none", "required"):
         raise ToolError(
             f'tool_choice must be "auto", "none", "required" or a named function, got {choice!r}',
             "tool_choice",
         )
     if choice == "none":
-        return None, "none"
+        return None, "none", []
     if not getattr(tokenizer, "has_tool_calling", False):
         raise ToolError(
             f"{model_name}'s chat template has no tool-call format (mlx-lm finds none in it), "
             "so it cannot be given tools: send the request without tools",
             "tools",
         )
-    return tools, "auto"
+    return tools, choice, allowed if choice == "required" else []
+
+
+#: mlx-lm's tool parser whose calls are a JSON object ``{"name", "arguments"}`` between
+#: the template's markers: the format a forced call (``tool_choice`` ``required`` or a
+#: named function) is constrained to.
+JSON_CALLS = "mlx_lm.tool_parsers.json_tools"
+
+
+def call_grammar(tools: list[dict], names: list[str], tokenizer: Any, model_name: str) -> dict:
+    """The request ``grammar`` (a Lark grammar with an embedded JSON schema) that forces one
+    call of a function in ``names`` with arguments valid for its ``parameters``: the
+    template's start marker, ``{"name": ..., "arguments": {...}}``, its end marker.
+
+    Raises:
+        ToolError: the chat template's tool-call format is not mlx-lm's JSON one.
+    """
+    parser = getattr(tokenizer, "tool_parser", None)
+    module = getattr(parser, "__module__", None)
+    if module != JSON_CALLS:
+        raise ToolError(
+            f"tool_choice required or a named function: {model_name}'s tool-call format "
+            f"({module or 'unknown'}) is not one this server can force; it forces JSON calls "
+            f"({JSON_CALLS}); use tool_choice auto",
+            "tool_choice",
+        )
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": n},
+                "arguments": by_name[n].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for n in names
+    ]
+    schema = {"anyOf": variants, "x-guidance": {"whitespace_flexible": False}}
+    start, end = json.dumps(tokenizer.tool_call_start), json.dumps(tokenizer.tool_call_end)
+    lark = f"start: {start} /[ \\n]*/ call /[ \\n]*/ {end}\ncall: %json {json.dumps(schema)}"
+    return {"lark": lark}
 
 
 def clean_messages(messages: Any) -> list[dict]:
