@@ -136,7 +136,15 @@ def assert_usage_error(rc: int, out: str, err: str, needle: str) -> None:
 
 def test_shipped_workloads():
     ws = load_workloads()
-    assert list(ws) == ["code-edit", "code-rewrite", "extraction", "prose", "follow-up"]
+    assert list(ws) == [
+        "code-edit",
+        "code-rewrite",
+        "extraction",
+        "prose",
+        "follow-up",
+        "json-extract",
+        "json-form",
+    ]
     assert workload_names() == list(ws)
     for w in ws.values():
         assert w.description and w.license and w.template
@@ -175,6 +183,17 @@ def test_shipped_workloads():
     assert follow.prelude and follow.prelude_request != follow.request
     assert follow.request.startswith(follow.prelude.split(" Reply")[0])
     assert "prelude" in follow.description and follow.expected is None
+    assert all(w.grammar is None for w in (code, rewrite, ext, prose, follow))
+    jx, jf = ws["json-extract"], ws["json-form"]
+    schema = jx.grammar["json_schema"]
+    # every text value the answer copies is in the report
+    assert set(schema["required"]) == set(schema["properties"]) and len(schema["required"]) == 10
+    assert "Northgate Water Treatment Plant" in jx.request and jx.expected is None
+    assert jf.source == "" and len(jf.grammar["json_schema"]["required"]) == 11
+    for w in (jx, jf):
+        specdec.Request(grammar=w.grammar)  # compiles
+        assert not w.default  # run when named
+    assert all(w.default for w in (code, rewrite, ext, prose, follow))
 
 
 def test_workload_texts_have_a_notice():
@@ -274,10 +293,10 @@ def test_run_bench_runs_the_prelude_before_every_run(loaded, monkeypatch):
     calls = []  # (kind, prelude?, documents in the on pipeline's store before the run)
     real = runner._run_pipeline
 
-    def spy(kind, pipe, ids, n, temp, seed):
+    def spy(kind, pipe, ids, n, temp, seed, grammar=None):
         stores = [d.store for d in pipe.drafters if getattr(d, "store", None) is not None]
         calls.append((kind, ids == pre_ids, [s.n_documents for s in stores]))
-        return real(kind, pipe, ids, n, temp, seed)
+        return real(kind, pipe, ids, n, temp, seed, grammar)
 
     monkeypatch.setattr(runner, "_run_pipeline", spy)
     policy = specdec.load_policy("copy").with_options("ngram_copy", store=True)
@@ -933,6 +952,42 @@ def test_cli_several_policies_side_by_side(capsys, byte_model, tmp_path):
     (pair,) = json.loads(details.read_text())["policy_pairs"]
     assert (pair["first"], pair["other"], len(pair["runs"])) == ("copy", "ngram", 1)
     assert pair["first_vs_other"] > 0
+
+
+def test_cli_constrained_workload_reports_documents_and_forced_tokens(capsys, byte_model, tmp_path):
+    """A workload with a schema runs constrained (no mlx-lm peer: it has none); the table
+    says how many runs gave a complete document and what the grammar engine cost."""
+    details = tmp_path / "d.json"
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--model",
+        str(byte_model),
+        "--runs",
+        "1",
+        "--max-tokens",
+        "60",
+        "-w",
+        "json-form",
+        "--policy",
+        "forced",
+        "--baseline",
+        "mlx-lm",
+        "--no-progress",
+        "--details",
+        str(details),
+    )
+    assert rc == 0, err
+    assert "constrained decoding (mlx-lm has none: no peer runs)" in out
+    assert "| json-form | 0 | forced | " in out.split("constrained decoding")[1]
+    (rec,) = json.loads(details.read_text())["results"]
+    g = rec["grammar"]
+    assert g["on_forced_per_answer"] > 0 and g["runs"] == [1, 1]
+    assert rec["identical"] is True and rec["runs"]["baseline"] == []
+    for kind in ("off", "on"):
+        (run,) = rec["runs"][kind]
+        assert run["forced"] is not None and run["grammar_complete"] is not None
+    assert rec["runs"]["on"][0]["forced"] == g["on_forced_per_answer"]
 
 
 def test_cli_same_policy_twice_is_an_error(capsys, byte_model):

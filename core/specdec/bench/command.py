@@ -27,6 +27,7 @@ from .runner import (
     SHORT_ANSWER_TOKENS,
     distributed_table,
     exactness_table,
+    grammar_table,
     policy_pairs,
     policy_pairs_table,
     rounds_table,
@@ -307,8 +308,8 @@ def format_table(results: list, *, baseline: str | None = None) -> str:
         ]
         seen = set()
         for res in results:
-            if (res.workload, res.temp) in seen:  # policies of a sweep share the baseline
-                continue
+            if (res.workload, res.temp) in seen or not res.baseline:
+                continue  # policies of a sweep share the baseline; a grammar has none
             seen.add((res.workload, res.temp))
             d = res.details()
             same = d["baseline_identical"]
@@ -317,6 +318,9 @@ def format_table(results: list, *, baseline: str | None = None) -> str:
                 f"| {d['baseline_tps']:.1f} | {_fmt_ratio(d['none_vs_baseline'])} "
                 f"| {'n/a (sampled)' if same is None else ('yes' if same else 'no')} |"
             )
+    constrained = grammar_table(results)
+    if constrained:
+        lines += ["", "constrained decoding (mlx-lm has none: no peer runs):", constrained]
     spec = spec_baseline_table(results)
     if spec:
         lines += ["", spec]

@@ -49,6 +49,7 @@ from ..options import parse_value
 from ..pipeline import Pipeline
 from ..policy import Policy
 from ..presets import load_policy
+from ..request import Request
 from ..sampling import validate_request
 from .progress import Progress
 from .workloads import Workload
@@ -134,6 +135,9 @@ class RunSample:
             ``{k: rounds}`` of the block sizes verified.
         collectives_per_token: on a sharded model, the request's collective operations
             per generated token (``stats.distributed``); ``None`` otherwise.
+        forced, mask_time_s, grammar_complete: on a constrained workload, the tokens the
+            grammar forced that were drafted, the grammar engine's seconds, and whether
+            the output is a complete document of the grammar; ``None`` otherwise.
     """
 
     kind: str
@@ -159,6 +163,9 @@ class RunSample:
     shadow_fraction: float | None = None
     block_sizes: dict | None = None
     collectives_per_token: float | None = None
+    forced: int | None = None
+    mask_time_s: float | None = None
+    grammar_complete: bool | None = None
 
     def to_dict(self, *, with_output: bool = False) -> dict:
         d = attrs.asdict(self)
@@ -341,6 +348,29 @@ class WorkloadResult:
             "spec_baseline_identical": self.spec_baseline_identical,
         }
 
+    def grammar_summary(self) -> dict | None:
+        """On a constrained workload: how many runs gave a complete document of the
+        grammar (off, on), the forced tokens drafted per answer and the grammar engine's
+        milliseconds per generated token (medians of the on runs), against the plain
+        runs' milliseconds per decode step; ``None`` otherwise."""
+        if not self.off or self.off[0].grammar_complete is None:
+            return None
+
+        def per_token_ms(runs: list) -> float:
+            return round(
+                1e3 * _median([(r.mask_time_s or 0.0) / max(1, len(r.tokens)) for r in runs]), 4
+            )
+
+        return {
+            "off_complete": sum(bool(r.grammar_complete) for r in self.off),
+            "on_complete": sum(bool(r.grammar_complete) for r in self.on),
+            "runs": (len(self.off), len(self.on)),
+            "on_forced_per_answer": _median([r.forced or 0 for r in self.on]),
+            "off_mask_ms_per_token": per_token_ms(self.off),
+            "on_mask_ms_per_token": per_token_ms(self.on),
+            "off_step_ms": round(1e3 / self.off_tps, 3) if self.off_tps > 0 else None,
+        }
+
     def block_size_histogram(self) -> dict:
         """``{k: rounds}`` of the block sizes the on runs verified, summed over the runs."""
         out: dict[int, int] = {}
@@ -391,6 +421,7 @@ class WorkloadResult:
             on_suspended_tokens=_median([s.suspended_tokens or 0 for s in self.on]),
             on_shadow_percent=round(100 * _median([s.shadow_fraction or 0.0 for s in self.on]), 4),
             on_block_sizes=self.block_size_histogram(),
+            grammar=self.grammar_summary(),
             off_collectives_per_token=_median_or_none([s.collectives_per_token for s in self.off]),
             on_collectives_per_token=_median_or_none([s.collectives_per_token for s in self.on]),
             runs={
@@ -404,13 +435,20 @@ class WorkloadResult:
 
 
 def _run_pipeline(
-    kind: str, pipe: Pipeline, ids: list[int], max_tokens: int, temp: float, seed: int
+    kind: str,
+    pipe: Pipeline,
+    ids: list[int],
+    max_tokens: int,
+    temp: float,
+    seed: int,
+    grammar: dict | None = None,
 ) -> RunSample:
     tokens: list[int] = []
     text: list[str] = []
     last = None
     t_first = t_last = None
-    for r in pipe.stream(list(ids), max_tokens=max_tokens, temperature=temp, seed=seed):
+    extra = {} if grammar is None else {"grammar": grammar}
+    for r in pipe.stream(list(ids), max_tokens=max_tokens, temperature=temp, seed=seed, **extra):
         now = time.perf_counter()
         if t_first is None:
             t_first = now
@@ -449,7 +487,24 @@ def _run_pipeline(
         collectives_per_token=(
             float(s.distributed["collectives_per_token"]) if s.distributed else None
         ),
+        forced=int(s.grammar["forced"]) if s.grammar else None,
+        mask_time_s=float(s.grammar["mask_time_s"]) if s.grammar else None,
+        grammar_complete=(
+            _grammar_complete(pipe, grammar, tokens) if grammar is not None else None
+        ),
     )
+
+
+def _grammar_complete(pipe: Pipeline, grammar: dict, tokens: list[int]) -> bool:
+    """Whether ``tokens`` are a complete document of ``grammar``: a fresh matcher takes
+    every one of them and then accepts the end (a JSON schema: the output parses and
+    validates)."""
+    g = pipe.grammar_state(Request(grammar=grammar))
+    assert g is not None
+    n = g.advance(tokens)
+    done = n == len(tokens) and any(g.allows(n, e) for e in g.eos)
+    g.undo()
+    return bool(done)
 
 
 def share_round_overhead(pipes: Sequence[Pipeline]) -> int:
@@ -722,7 +777,7 @@ def run_bench(
             len(spec_pairs) * len(workloads) * (len(greedy_temps) * runs + (1 if warmup else 0))
         )
 
-    def run(kind: str, ids: list[int], n: int, temp: float) -> RunSample:
+    def run(kind: str, ids: list[int], n: int, temp: float, grammar: Any = None) -> RunSample:
         # The previous run's caches may sit in reference cycles until the cyclic GC
         # runs; collect them now so that they do not count in this run's peak memory.
         gc.collect()
@@ -731,7 +786,9 @@ def run_bench(
         if kind in spec_pairs:
             draft, k = spec_pairs[kind]
             return _run_mlx_lm(model, tokenizer, ids, n, temp, seed, draft, k)
-        return _run_pipeline("off" if kind == "off" else "on", pipes[kind], ids, n, temp, seed)
+        return _run_pipeline(
+            "off" if kind == "off" else "on", pipes[kind], ids, n, temp, seed, grammar
+        )
 
     def prelude(kind: str, pre_ids: list[int] | None, temp: float, label: str) -> None:
         # The workload's first request, untimed, on the pipeline the next run uses,
@@ -747,7 +804,13 @@ def run_bench(
                 reset()
         run(kind, pre_ids, max_tokens, temp)
 
-    def kinds_at(temp: float, i: int) -> list[str]:
+    def kinds_at(temp: float, i: int, w: Workload) -> list[str]:
+        order = _kinds_at(temp, i)
+        if w.grammar is not None:  # mlx-lm has no constrained decoding: no peer runs
+            return [k for k in order if k in pipes]
+        return order
+
+    def _kinds_at(temp: float, i: int) -> list[str]:
         # mlx-lm accepts a sampled draft only when the target samples the same token
         # (not rejection sampling): its speculative runs are compared greedy only.
         if spec_pairs and temp == 0:
@@ -792,23 +855,25 @@ def run_bench(
                 for kind in kinds:
                     if kind in spec_pairs and not greedy_temps:
                         continue
+                    if w.grammar is not None and kind not in pipes:
+                        continue
                     wtemp = 0.0 if kind in spec_pairs else temp
                     prelude(kind, pre_ids, wtemp, label)
                     if progress is not None:
                         progress.start(f"{label}: warm-up {kind}")
                     if on_run is not None:
                         on_run(kind, w, temp, -1)
-                    run(kind, ids, min(WARMUP_TOKENS, max_tokens), wtemp)
+                    run(kind, ids, min(WARMUP_TOKENS, max_tokens), wtemp, w.grammar)
                     if progress is not None:
                         progress.advance()
             for i in range(runs):
-                for kind in kinds_at(temp, i):
+                for kind in kinds_at(temp, i, w):
                     prelude(kind, pre_ids, temp, label)
                     if progress is not None:
                         progress.start(f"{label}: {kind} run {i + 1}/{runs}")
                     if on_run is not None:
                         on_run(kind, w, temp, i)
-                    sample = run(kind, ids, max_tokens, temp)
+                    sample = run(kind, ids, max_tokens, temp, w.grammar)
                     if kind == "off":
                         off.append(sample)
                     elif kind == "mlx-lm":
@@ -840,6 +905,30 @@ def run_bench(
                 res.faithfulness = faith
                 results.append(res)
     return results
+
+
+def grammar_table(results: Sequence[WorkloadResult]) -> str:
+    """Constrained workloads: complete documents, forced tokens per answer, the grammar
+    engine's time per token against a plain decode step ("" when there is none)."""
+    rows = [(r, r.grammar_summary()) for r in results]
+    rows = [(r, g) for r, g in rows if g is not None]
+    if not rows:
+        return ""
+    lines = [
+        "| workload | temp | policy | complete documents (off, on) | tokens/forward "
+        "| forced tokens/answer | grammar ms/token (off, on) | plain step ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r, g in rows:
+        n_off, n_on = g["runs"]
+        tpf = _median([s.tokens_per_forward or 0.0 for s in r.on])
+        lines.append(
+            f"| {r.workload} | {r.temp:g} | {r.policy} | {g['off_complete']}/{n_off}, "
+            f"{g['on_complete']}/{n_on} | {tpf:.2f} | {g['on_forced_per_answer']:g} "
+            f"| {g['off_mask_ms_per_token']:.3f}, {g['on_mask_ms_per_token']:.3f} "
+            f"| {g['off_step_ms']} |"
+        )
+    return "\n".join(lines)
 
 
 def spec_baseline_table(results: Sequence[WorkloadResult]) -> str:

@@ -19,6 +19,7 @@ output when the measured request starts; see :func:`~specdec.bench.run_bench`.
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 from collections.abc import Sequence
 from importlib import resources
@@ -73,6 +74,9 @@ class Workload:
         license: where the text comes from and under which licence.
         prelude: a first request (``{source}`` is replaced by :attr:`source`) run
             untimed before every run of the measured one ("" for none).
+        grammar: the request's ``grammar`` (constrained decoding: a ``schema`` file in
+            the manifest is ``{"json_schema": ...}``), or ``None``.
+        default: run when no workload is named (the constrained ones run when named).
     """
 
     name: str
@@ -84,6 +88,8 @@ class Workload:
     answer_prefix: str = ""
     license: str = ""
     prelude: str = ""
+    grammar: dict | None = None
+    default: bool = True
 
     @property
     def request(self) -> str:
@@ -187,6 +193,8 @@ def load_workloads() -> dict[str, Workload]:
             answer_prefix=w.get("answer_prefix", ""),
             license=w.get("license", ""),
             prelude=w.get("prelude", ""),
+            grammar={"json_schema": json.loads(_read(w["schema"]))} if w.get("schema") else None,
+            default=bool(w.get("default", True)),
         )
     return out
 
@@ -197,14 +205,15 @@ def workload_names() -> list[str]:
 
 
 def get_workloads(names: Sequence[str] | None = None) -> list[Workload]:
-    """The named workloads (all when ``names`` is empty or ``None``), without duplicates.
+    """The named workloads (the default ones when ``names`` is empty or ``None``: all but
+    the constrained ones), without duplicates.
 
     Raises:
         RequestError: an unknown name, listing the shipped ones.
     """
     all_ = load_workloads()
     if not names:
-        return list(all_.values())
+        return [w for w in all_.values() if w.default]
     out: list[Workload] = []
     for n in names:
         if n not in all_:
