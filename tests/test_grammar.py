@@ -14,6 +14,7 @@ from core_support import oracle_policy, write_json_tokenizer
 from specdec.errors import RequestError
 from specdec.grammar import Grammar
 from specdec.testing import (
+    check_batch_identity,
     check_greedy_identity,
     check_sampled_distribution,
     check_sampled_identity,
@@ -223,8 +224,8 @@ def test_bad_grammar_refused_before_model_work(model, tok, prompt):
         pipe.check_request(grammar={"json_schema": {"type": "foo"}})
     with pytest.raises(RequestError, match="has none"):
         specdec.assemble(model, None, "none").check_request(grammar={"regex": "a+"})
-    with pytest.raises(RequestError, match="rows of a batch"):
-        specdec.assemble(model, tok, "none").batch().add(prompt, grammar={"regex": "a+"})
+    with pytest.raises(RequestError, match="cannot be rolled back"):
+        specdec.assemble(model, tok, "none").batch().add(prompt, grammar=rollback_less)
     # the pipeline serves the next request
     assert pipe.generate(prompt, max_tokens=20, grammar={"regex": "a+"}).text.startswith("a")
 
@@ -234,3 +235,45 @@ def test_grammar_record_is_frozen_and_reused():
     assert Grammar.of(g) is g and g.kind == "json_schema"
     assert specdec.Request(grammar=g).grammar is g
     assert json.loads(g.source) == SCHEMA
+
+
+@pytest.mark.parametrize("policy", ["forced", "oracle"])
+def test_batch_rows_under_grammars(model, tok, prompt, policy):
+    """Rows of a batch, each with its own grammar (or none), joining while others run:
+    each equal to its request decoded alone with constrained plain decoding."""
+    pol = oracle_policy(model, corruption=0.3, block=4, forced_drafts=True)
+    pol = pol if policy == "oracle" else specdec.load_policy("forced")
+    check_batch_identity(
+        model,
+        pol,
+        [prompt, prompt[:-3], prompt[5:]],
+        max_tokens=[40, 13, 30],
+        max_rows=2,
+        tokenizer=tok,
+        grammar=GRAMMARS["json_schema"],
+    )
+    spec = specdec.assemble(model, tok, pol)
+    plain = specdec.assemble(model, tok, "none")
+    grammars = [GRAMMARS["lark"], None, GRAMMARS["regex"], GRAMMARS["json_schema"]]
+    batch = spec.batch(3)
+    rows = {}
+    for i, g in enumerate(grammars):
+        extra = {} if g is None else {"grammar": g}
+        rows[batch.add(prompt[i:], max_tokens=30, **extra)] = (i, extra)
+    got: dict[int, list[int]] = {i: [] for i in range(len(grammars))}
+    forced = 0
+    while len(batch):
+        for ev in batch.step():
+            assert ev.error is None, ev.error
+            i, _ = rows[ev.row]
+            if not ev.response.is_stop_token:
+                got[i].append(ev.response.token)
+            if ev.response.stats is not None:
+                forced += ev.response.stats.grammar.get("forced", 0)
+                assert max(ev.response.stats.batch_rows) > 1
+    for i, extra in rows.values():
+        alone = plain.generate(prompt[i:], max_tokens=30, **extra)
+        assert got[i] == alone.tokens, (i, extra)
+        if extra and alone.finish_reason == "stop":
+            assert valid(next(iter(extra["grammar"])), alone.text), alone.text
+    assert forced > 0

@@ -225,11 +225,6 @@ class Batch:
         if "on_round" in kwargs:
             raise RequestError("on_round is not available for rows of a batch")
         state = self.pipeline.request_state(prompt, request, kwargs)
-        if state.grammar is not None:
-            raise RequestError(
-                "grammar is not available for rows of a batch yet: decode a constrained "
-                "request with Pipeline.stream (specdec serve runs them that way)"
-            )
         if not isinstance(keep_cache, bool):
             raise RequestError(f"keep_cache must be True or False, got {keep_cache!r}")
         ordered = True
@@ -483,13 +478,18 @@ class Batch:
         whose drafter or governor raised is fed its last token only and fails alone."""
         state, policy = m.state, self.pipeline.policy
         position = len(state.history)
-        if not state.sessions:  # a plain row: nothing to plan (as a plain request)
+        if not state.sessions and not state.forces:  # a plain row: nothing to plan
             rnd = Round(kind=RoundKind.PLAIN, position=position)
+            try:
+                phases.constrain(state, rnd)  # a grammar's mask for its one row
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed[i] = exc
             phases.choose_acceptor(policy, state.sampler, rnd)
             return rnd
         rnd = Round(kind=RoundKind.SPECULATIVE, position=position)
         try:
             phases.plan(state, policy, rnd)
+            phases.constrain(state, rnd)  # cut to the grammar, its masks filled
             phases.count_block(state.stats, rnd)
             phases.settle(rnd, state)
             phases.choose_acceptor(policy, state.sampler, rnd)
@@ -513,8 +513,11 @@ class Batch:
 
     def _accept(self, state: RequestState, rnd: Round, logits: mx.array) -> RoundResult:
         rnd.logits = phases.process(logits, state.history, rnd.block, state.processors)
+        if state.grammar is not None:
+            rnd.logits = state.grammar.apply(rnd.logits)
         acc = phases.accept(self.pipeline.acceptors, rnd, state.sampler, state)
         phases.check_q(state, rnd, acc.n_accepted)
+        phases.commit_grammar(state, acc.n_accepted, acc.token)
         return phases.result(state, rnd, acc.n_accepted, acc.token)
 
 

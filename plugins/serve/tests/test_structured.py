@@ -209,3 +209,39 @@ def test_anthropic_tool_choice_any_and_tool(tool_server):
     m = ant.messages.create(**kw, messages=msgs, tool_choice={"type": "tool", "name": "get_time"})
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert use.name == "get_time" and use.input["zone"] in ("UTC", "CET", "PST")
+
+
+def test_concurrent_structured_requests_share_the_batch(server):
+    """Clients with different formats at once: rows of one batch, each equal to the
+    request served alone."""
+    import concurrent.futures
+
+    base, engine = server
+    bodies = [
+        {"messages": MESSAGES, "max_tokens": 60, "response_format": {"type": "json_object"}},
+        {"messages": MESSAGES, "max_tokens": 40},
+        {"prompt": "Answer yes or no:", "max_tokens": 8, "grammar": {"regex": "(yes|no)!"}},
+        {
+            "messages": MESSAGES,
+            "max_tokens": 80,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": SCHEMA},
+            },
+        },
+    ]
+
+    def post(body):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(base + path, json={**body, "policy": "copy"}, timeout=300)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["message"]["content"] if "message" in c else c["text"]
+
+    alone = [post(b) for b in bodies]
+    rounds_before = engine.batches["copy"].rounds if "copy" in engine.batches else 0
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        together = list(ex.map(post, bodies))
+    assert together == alone
+    assert engine.batches["copy"].rounds > rounds_before
+    assert isinstance(json.loads(alone[0]), dict) and re.fullmatch("(yes|no)!", alone[2])

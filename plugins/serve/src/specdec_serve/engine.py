@@ -9,8 +9,7 @@ cancelled ones leave it. A prompt that starts with the tokens an earlier request
 held starts from a copy of that request's caches (:class:`PrefixCache`) and
 prefills only the rest. Every round is one target forward for all the rows of
 that policy's batch; batches of different policies take turns, a round each.
-A policy that cannot run rows of a batch (a drafter without ``supports_batch``), and
-a constrained request (a ``grammar``: ``response_format`` or a forced tool call),
+A policy that cannot run rows of a batch (a drafter without ``supports_batch``)
 runs each request alone through ``Pipeline.stream``, a token per turn of the
 worker, taking turns with the batches' rounds. Every committed token goes back
 to the request's asyncio queue. A request whose client went away leaves its
@@ -502,8 +501,7 @@ class Engine:
         try:
             pipe = self.pipe(job.policy)
             pipe.prepare()  # once per pipeline: e.g. the verify cost curve
-            # constrained requests run alone: rows of a batch have no grammar yet
-            b = self._batch(job.policy) if job.params.get("grammar") is None else None
+            b = self._batch(job.policy)
             snap = self._fetch(job)
             if b is None:
                 caches = snap.caches if snap is not None else None
