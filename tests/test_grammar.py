@@ -224,6 +224,11 @@ def test_bad_grammar_refused_before_model_work(model, tok, prompt):
         pipe.check_request(grammar={"json_schema": {"type": "foo"}})
     with pytest.raises(RequestError, match="has none"):
         specdec.assemble(model, None, "none").check_request(grammar={"regex": "a+"})
+    from specdec.testing.toy_tokenizer import ToyTokenizer
+
+    toy = specdec.assemble(make_tiny_model("llama"), ToyTokenizer(), "none")
+    with pytest.raises(RequestError, match="reads Hugging Face fast tokenizers"):
+        toy.check_request(grammar={"regex": "a+"})
     with pytest.raises(RequestError, match="cannot be rolled back"):
         specdec.assemble(model, tok, "none").batch().add(prompt, grammar=rollback_less)
     # the pipeline serves the next request
