@@ -282,3 +282,71 @@ def test_batch_rows_under_grammars(model, tok, prompt, policy):
         if extra and alone.finish_reason == "stop":
             assert valid(next(iter(extra["grammar"])), alone.text), alone.text
     assert forced > 0
+
+
+def test_renormalise_leaves_stop_tokens_out(model, tok):
+    """Where the grammar may end, a drafted stop token ends the block as a forbidden one
+    does: ``q`` conditioned on the mask has no mass on the stop tokens."""
+    import mlx.core as mx
+    import numpy as np
+
+    g = specdec.assemble(model, tok, "none").grammar_state(specdec.Request(grammar={"regex": "a+"}))
+    a = tok.encode("a")[0]
+    g.advance(())
+    g.commit(0, a)  # "a": now "a" or the end
+    g.advance(())
+    (eos,) = g.eos
+    assert g.allows(0, eos) and g.allows(0, a)
+    q = np.zeros((1, VOCAB), np.float32)
+    q[0, eos], q[0, a] = 0.5, 0.5
+    out = np.array(g.renormalise(mx.array(q)))
+    assert out[0, eos] == 0.0 and out[0, a] == pytest.approx(1.0)
+
+
+def test_exact_joint_masks_each_position_after_its_prefix(model, tok, prompt):
+    """The kit's reference under a grammar: every sequence it gives weight to is one the
+    grammar allows token by token (the second token's mask is the one after the first)."""
+    from specdec.sampling import Sampler
+    from specdec.testing.checks import _exact_joint
+
+    grammar = {"regex": "(ab|cd)x+"}
+    joint = _exact_joint(model, prompt, Sampler(temperature=1.0), 2, tokenizer=tok, grammar=grammar)
+    g = specdec.assemble(model, tok, "none").grammar_state(specdec.Request(grammar=grammar))
+    assert joint
+    for seq in joint:
+        assert g.advance(seq) == 2, [tok.decode([t]) for t in seq]
+        g.undo()
+
+
+def test_logprobs_under_a_grammar_are_finite(model, tok, prompt):
+    """Masked rows leave fewer alternatives than asked for: only finite ones are given."""
+    import math
+
+    pipe = specdec.assemble(model, tok, "forced")
+    out = list(pipe.stream(prompt, max_tokens=30, grammar=GRAMMARS["json_schema"], logprobs=5))
+    assert any(len(r.top_logprobs) < 5 for r in out if r.top_logprobs is not None)
+    for r in out:
+        assert math.isfinite(r.logprob)
+        assert all(math.isfinite(v) for _, v in r.top_logprobs)
+
+
+def test_a_batch_without_rollback_does_not_draft_forced_tokens(tok, prompt):
+    """A sliding-window model in a batch has no per-row rollback (speculation off): its
+    constrained rows draft nothing, so a row with a grammar and one without both finish,
+    each equal to its request alone."""
+    gemma = make_tiny_model("gemma3", vocab_size=VOCAB)
+    spec = specdec.assemble(gemma, tok, "forced")
+    plain = specdec.assemble(gemma, tok, "none")
+    batch = spec.batch(2)
+    rows = {batch.add(prompt, max_tokens=20, grammar=GRAMMARS["lark"]): 0}
+    rows[batch.add(prompt[3:], max_tokens=20)] = 1
+    got: dict[int, list[int]] = {0: [], 1: []}
+    while len(batch):
+        for ev in batch.step():
+            assert ev.error is None, ev.error
+            if not ev.response.is_stop_token:
+                got[rows[ev.row]].append(ev.response.token)
+            if ev.response.stats is not None:
+                assert ev.response.stats.drafted == 0
+    assert got[0] == plain.generate(prompt, max_tokens=20, grammar=GRAMMARS["lark"]).tokens
+    assert got[1] == plain.generate(prompt[3:], max_tokens=20).tokens

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -112,16 +113,31 @@ class Grammar:
         return cls(kind=kind, source=source, text=text)
 
 
+#: llguidance tokenizers already built, by (tokenizer, n_vocab): pipelines that share a
+#: tokenizer (a server's policies) share one (it is immutable and thread-safe).
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def grammar_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
     """llguidance's tokenizer for an mlx-lm ``TokenizerWrapper`` (or a Hugging Face fast
     tokenizer), with ``n_vocab`` mask bits (the model's logits width) and the tokenizer's
-    EOS ids. It costs a few hundred ms: :class:`specdec.Pipeline` builds it once.
+    EOS ids. It costs a few hundred ms: built once per tokenizer and vocabulary size.
 
     Raises:
         RequestError: no tokenizer, or one llguidance cannot read (not a fast tokenizer).
     """
     if tokenizer is None:
         raise RequestError("a grammar needs the pipeline's tokenizer, and this one has none")
+    try:
+        built = _BUILT.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: built for this call alone
+        built = {}
+    if n_vocab not in built:
+        built[n_vocab] = _build_tokenizer(tokenizer, n_vocab)
+    return built[n_vocab]
+
+
+def _build_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
     eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
     if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
         eos = {tokenizer.eos_token_id}
@@ -267,25 +283,31 @@ class GrammarState:
         self._fill(len(block))
         return self.advanced
 
-    def apply(self, logits: mx.array) -> mx.array:
+    def apply(self, logits: mx.array, first: int = 0) -> mx.array:
         """``logits`` (``[rows, vocab]``, row ``i`` judging the token after the block's
-        first ``i``) masked by the rows :meth:`advance` filled (disallowed: ``-inf``)."""
+        first ``first + i``) masked by the rows :meth:`advance` filled (disallowed:
+        ``-inf``)."""
         n = logits.shape[0]
-        if n > self.filled:
+        if first + n > self.filled:
             raise ComponentError(
-                f"grammar masks: {n} verified rows but {self.filled} masks", role="grammar"
+                f"grammar masks: rows {first}..{first + n - 1} asked for, {self.filled} filled",
+                role="grammar",
             )
-        words = mx.array(self.rows[:n]).view(mx.uint32)
+        words = mx.array(self.rows[first : first + n]).view(mx.uint32)
         return _masked(words, logits)
 
     def renormalise(self, q: mx.array) -> mx.array:
         """Draft probabilities ``q`` (``[k, vocab]``, row ``i`` drawn after the block's
         first ``i`` tokens) conditioned on the grammar's mask rows: a drafted token the
-        mask forbids ends the block, so the drafts verified were drawn from ``q`` inside
-        the mask. Rejection sampling against the masked target needs exactly that ``q``
+        mask forbids ends the block, as a drafted stop token does, so the drafts verified
+        were drawn from ``q`` inside the mask, stop tokens left out. Rejection sampling against the masked target needs exactly that ``q``
         to keep the constrained distribution."""
         k = q.shape[0]
-        words = mx.array(self.rows[:k]).view(mx.uint32)
+        rows = self.rows[:k].copy()
+        for t in self.stops:  # a drafted stop token ends the block too: not in q's support
+            if 0 <= t < self.vocab:
+                rows[:, t >> 5] &= ~np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+        words = mx.array(rows).view(mx.uint32)
         kept = _masked(words, q.astype(mx.float32))
         kept = mx.where(mx.isinf(kept), 0.0, kept)
         total = kept.sum(axis=-1, keepdims=True)

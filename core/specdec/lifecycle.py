@@ -197,6 +197,10 @@ def open_request(
     elif off_reason is not None:
         stats.speculation_off_reason = off_reason
         drafters = []
+    if off_reason is not None:
+        # a batch that cannot roll rows back apart: every row keeps what it was fed,
+        # so no row may feed a block (a grammar's forced tokens included)
+        state.forces = False
     end = on_end or (lambda reason: finish_stats(pipe, state))
     state.emitter = Emitter(
         pipe.tokenizer, state.stop_ids, state.request.stop, state.request.max_tokens, stats, end

@@ -18,6 +18,7 @@ The single-request driver (:mod:`specdec.single`) and the batch driver
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -161,7 +162,6 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
     if forced:
         rnd.block, rnd.chosen, rnd.forced = tuple(forced), FORCED, len(forced)
         rnd.proposals[FORCED] = rnd.block
-        state.stats.grammar["forced"] = state.stats.grammar.get("forced", 0) + len(forced)
         history = [*history, *forced]
         limit -= len(forced)
     if limit < policy.min_block:
@@ -370,6 +370,8 @@ def result(state: Any, rnd: Round, n_acc: int, token: int) -> RoundResult:
             pd = stats.per_drafter[FORCED]
             pd["drafted"] += f
             pd["accepted"] += f
+        if rnd.forced:
+            stats.grammar["forced"] = stats.grammar.get("forced", 0) + rnd.forced
     return RoundResult(
         drafter=rnd.chosen,
         block=tuple(block),
@@ -427,7 +429,14 @@ def token_logprobs(
     else:
         mx.eval(own)
         ids = vs = [[] for _ in range(n)]
-    return [(float(own[i, 0].item()), tuple(zip(ids[i], vs[i]))) for i in range(n)]
+    # a grammar's mask leaves -inf alternatives where fewer tokens are allowed: left out
+    return [
+        (
+            float(own[i, 0].item()),
+            tuple((t, v) for t, v in zip(ids[i], vs[i]) if math.isfinite(v)),
+        )
+        for i in range(n)
+    ]
 
 
 def observe(state: Any, res: RoundResult) -> None:

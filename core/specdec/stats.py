@@ -75,9 +75,10 @@ class Stats:
             first rejection, ``rows`` projected, ``skipped`` (positions after a rejection,
             whose logits were never computed); empty otherwise.
         grammar: for a constrained request: its grammar's ``kind``, ``forced`` (tokens
-            the grammar forced that were drafted: they are also in ``drafted`` and
-            ``accepted``, and in ``per_drafter["grammar"]`` for rounds they were the
-            whole block), ``cut`` (drafted tokens the grammar forbade, cut before
+            the grammar forced that were drafted and verified: they are also in
+            ``drafted`` and ``accepted``, and in ``per_drafter["grammar"]``'s
+            ``drafted`` / ``accepted``, whose ``rounds`` counts the rounds whose block
+            was forced tokens alone), ``cut`` (drafted tokens the grammar forbade, cut before
             verify), ``mask_time_s`` (the grammar engine's time building masks and
             cutting blocks); empty otherwise.
         finish_reason: ``"stop"`` or ``"length"``.

@@ -465,7 +465,7 @@ def _exact_joint(
         logits = _plain_next_logits(plain, prompt + list(prefix))
         if g is not None:
             assert g.advance(prefix) == len(prefix), "a prefix the grammar forbids"
-            logits = g.apply(logits.astype(mx.float32))
+            logits = g.apply(logits.astype(mx.float32), first=len(prefix))
             g.undo()
         p = np.array(sampler.probs(logits.astype(mx.float32))[0])
         for t in np.nonzero(p * prob > floor)[0]:

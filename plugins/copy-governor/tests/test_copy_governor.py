@@ -406,3 +406,27 @@ def test_shadow_across_a_gap_is_dropped_unscored():
     g.budget(D, 16)
     g.observe_round(rr(7, [6]))  # positions 1..6 never seen
     assert g.state(D).pending is None and g.stats()["shadow_rounds"] == 0
+
+
+def test_shadow_after_forced_tokens_is_scored_from_after_them():
+    """On a constrained request's round whose block opened with forced tokens, a
+    suspended drafter's shadow was proposed after them: scored from there, a right
+    shadow counts as right."""
+    gov = CopyGovernor().session()
+    s = gov.state("ngram_copy")
+    s.suspended_left = 3
+    assert gov.budget("ngram_copy", 8) == 0
+    gov.observe_round(
+        specdec.RoundResult(
+            drafter="grammar",
+            block=(10, 11),
+            n_accepted=2,
+            token=20,
+            committed=(10, 11, 20),
+            start_position=100,
+            shadows={"ngram_copy": (20, 21, 22)},
+            forced=2,
+        )
+    )
+    p = gov.state("ngram_copy").pending
+    assert p is not None and p.matched == 1 and not p.resolved

@@ -245,3 +245,48 @@ def test_concurrent_structured_requests_share_the_batch(server):
     assert together == alone
     assert engine.batches["copy"].rounds > rounds_before
     assert isinstance(json.loads(alone[0]), dict) and re.fullmatch("(yes|no)!", alone[2])
+
+
+def test_forced_call_schema_keeps_the_tools_refs():
+    """A tool whose parameters use ``$defs`` / ``definitions`` (as pydantic writes them):
+    nested in the call's schema, its refs still resolve."""
+    import types
+
+    import specdec
+    from specdec_serve.tools import JSON_CALLS, call_grammar
+
+    def parser(text, tools):  # pragma: no cover - only its module is read
+        return None
+
+    parser.__module__ = JSON_CALLS
+    tok = types.SimpleNamespace(
+        tool_parser=parser, tool_call_start="<tool_call>", tool_call_end="</tool_call>"
+    )
+    city = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "a",
+                "parameters": {
+                    "$schema": "https://json-schema.org/draft/2020-12/schema",
+                    "$defs": {"City": city},
+                    "type": "object",
+                    "properties": {"city": {"$ref": "#/$defs/City"}},
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "b",
+                "parameters": {
+                    "definitions": {"City": {"type": "string"}},
+                    "type": "object",
+                    "properties": {"to": {"$ref": "#/definitions/City"}},
+                },
+            },
+        },
+    ]
+    g = specdec.Request(grammar=call_grammar(tools, ["a", "b"], tok, "m")).grammar
+    assert "tool0_City" in g.source and "tool1_City" in g.source

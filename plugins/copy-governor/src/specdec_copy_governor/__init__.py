@@ -18,7 +18,7 @@ from .governor import (
     create_copy_governor,
 )
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"
 
 __all__ = [
     "DEFAULTS",

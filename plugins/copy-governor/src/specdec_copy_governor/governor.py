@@ -250,7 +250,8 @@ class CopyGovernorSession(BaseGovernorSession):
                 # on probation, where blocks are capped at probation_cap.
                 if self.config.probation_rounds > 0:
                     tokens = tokens[: self.config.probation_cap]
-                s.pending = ShadowScore(result.start_position, tokens)
+                # proposed after the round's forced tokens (a grammar's), if any
+                s.pending = ShadowScore(result.start_position + result.forced, tokens)
         for name, s in self._states.items():
             if s.pending is None:
                 continue

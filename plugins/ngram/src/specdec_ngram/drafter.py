@@ -411,12 +411,12 @@ class NgramCopySession(BaseDrafterSession):
         """Index the tokens committed this round (whoever drafted them) and learn
         from the outcome of this drafter's block and of a pending shadow proposal."""
         if result.drafter == self.name:
-            self.accepted_tokens += result.n_accepted
+            self.accepted_tokens += result.n_accepted - result.forced
             self.rounds_verified += 1
             if self._bucket is not None and result.block and not self._tail_mode:
                 self._learn(self._bucket, *self._outcome(result))
             if self._bucket == STORE_BUCKET:
-                self.store_accepted_tokens += result.n_accepted
+                self.store_accepted_tokens += result.n_accepted - result.forced
         self._bucket = None
         committed = result.committed
         if self._tails:

@@ -341,6 +341,10 @@ class Engine:
             longest = min(longest, int(self.context_length))
         for name in self.policy_specs:  # every offered policy assembles before serving
             self.pipe(name).prepare(context=longest)
+        try:  # llguidance's tokenizer (shared by the policies), before the first request
+            pipe.grammar_tokenizer()
+        except specdec.RequestError:
+            pass  # a constrained request gets the 400 that says why
         #: the batch of each policy that runs rows together (made on first use), and
         #: why a policy cannot (its requests then run alone, a token per turn).
         self.batches: dict[str, Any] = {}

@@ -112,6 +112,36 @@ def check_tools(
 JSON_CALLS = "mlx_lm.tool_parsers.json_tools"
 
 
+def _hoisted(params: dict, prefix: str, defs: dict) -> dict:
+    """A tool's ``parameters`` schema to nest in the call's schema: its ``$defs`` /
+    ``definitions`` moved into ``defs`` (the call schema's root ``$defs``) under
+    ``prefix``-ed names and its local ``$ref``s rewritten to them, so they still resolve;
+    its ``$schema`` dropped (the call schema's root has none)."""
+    params = {k: v for k, v in params.items() if k != "$schema"}
+    moved: dict[str, str] = {}
+    tables: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        table = params.pop(key, None)
+        if isinstance(table, dict):
+            for name, sub in table.items():
+                moved[f"#/{key}/{name}"] = f"#/$defs/{prefix}{name}"
+                tables[f"{prefix}{name}"] = sub
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {
+                k: moved.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v)
+                for k, v in node.items()
+            }
+        if isinstance(node, list):
+            return [rewrite(x) for x in node]
+        return node
+
+    for name, sub in tables.items():
+        defs[name] = rewrite(sub)
+    return rewrite(params)
+
+
 def call_grammar(tools: list[dict], names: list[str], tokenizer: Any, model_name: str) -> dict:
     """The request ``grammar`` (a Lark grammar with an embedded JSON schema) that forces one
     call of a function in ``names`` with arguments valid for its ``parameters``: the
@@ -130,19 +160,24 @@ def call_grammar(tools: list[dict], names: list[str], tokenizer: Any, model_name
             "tool_choice",
         )
     by_name = {t["function"]["name"]: t["function"] for t in tools}
+    defs: dict[str, Any] = {}
     variants = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": n},
-                "arguments": by_name[n].get("parameters") or {"type": "object"},
+                "arguments": _hoisted(
+                    by_name[n].get("parameters") or {"type": "object"}, f"tool{i}_", defs
+                ),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for n in names
+        for i, n in enumerate(names)
     ]
-    schema = {"anyOf": variants, "x-guidance": {"whitespace_flexible": False}}
+    schema: dict[str, Any] = {"anyOf": variants, "x-guidance": {"whitespace_flexible": False}}
+    if defs:
+        schema["$defs"] = defs
     start, end = json.dumps(tokenizer.tool_call_start), json.dumps(tokenizer.tool_call_end)
     lark = f"start: {start} /[ \\n]*/ call /[ \\n]*/ {end}\ncall: %json {json.dumps(schema)}"
     return {"lark": lark}
