@@ -148,7 +148,28 @@ def test_sampled_distribution_with_draft_probabilities(model, tok, prompt):
         tokenizer=tok,
         max_tokens=2,
         n_samples=1200,
-        grammar={"regex": "[a-z ]{3,12};"},
+        grammar={"regex": "[a-z ]{3,12};"},  # no end within the first two tokens
+    )
+
+
+def test_sampled_distribution_where_the_grammar_may_end(model, tok, prompt):
+    """Where the grammar may end, the draft's ``q`` has mass on the end-of-sequence token,
+    which ends the block: the joint (outputs that end early included) is still the
+    target's under the grammar."""
+    draft = make_tiny_model("llama", vocab_size=VOCAB, seed=1, sharpness=4.0)
+    policy = specdec.Policy(
+        name="dm",
+        drafters=("draft_model",),
+        options={"draft_model": {"model": draft, "num_draft_tokens": 2}},
+    )
+    check_sampled_distribution(
+        model,
+        policy,
+        prompt,
+        tokenizer=tok,
+        max_tokens=3,
+        n_samples=1200,
+        grammar={"regex": "(a|b|c|ab|ca|bc){1,3}"},
     )
 
 

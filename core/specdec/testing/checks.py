@@ -453,14 +453,19 @@ def _exact_joint(
 ) -> dict:
     """The target's exact joint distribution of the next ``depth`` tokens (above ``floor``),
     from the logits of the plain path users get; with ``grammar``, each position's
-    logits masked by the grammar's state after the tokens before it."""
+    logits masked by the grammar's state after the tokens before it. A stop token (the
+    tokenizer's EOS) ends a sequence early: it is counted under the tokens before it,
+    as a stream reports them."""
     plain = _plain(model, tokenizer)
     out: dict[tuple, float] = {}
     g = plain.grammar_state(Request(grammar=grammar)) if grammar is not None else None
+    stops = Request().stop_ids(tokenizer) if tokenizer is not None else frozenset()
 
     def rec(prefix: tuple, prob: float) -> None:
-        if len(prefix) == depth:
-            out[prefix] = prob
+        if len(prefix) == depth or (prefix and prefix[-1] in stops):
+            # a stop token ends the output there (and is not part of it)
+            key = prefix[:-1] if prefix and prefix[-1] in stops else prefix
+            out[key] = out.get(key, 0.0) + prob
             return
         logits = _plain_next_logits(plain, prompt + list(prefix))
         if g is not None:
