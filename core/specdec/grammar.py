@@ -25,6 +25,7 @@ request's ``stop_tokens``) only where the grammar may end, and the stream ends t
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import time
 import weakref
@@ -196,7 +197,7 @@ class GrammarState:
         self.eos = frozenset(int(t) for t in ltok.eos_tokens)
         self.stops = frozenset(stop_ids)
         self._extra = sorted(t for t in self.stops - self.eos if 0 <= t < self.vocab)
-        self._np = __import__("llguidance.numpy", fromlist=["fill_next_token_bitmask"])
+        self._np = importlib.import_module("llguidance.numpy")
         self.rows = np.full((17, self.words), -1, dtype=np.int32)
         #: tokens the matcher has consumed (the committed output, stop tokens left out).
         self.consumed = 0
@@ -300,8 +301,9 @@ class GrammarState:
         """Draft probabilities ``q`` (``[k, vocab]``, row ``i`` drawn after the block's
         first ``i`` tokens) conditioned on the grammar's mask rows: a drafted token the
         mask forbids ends the block, as a drafted stop token does, so the drafts verified
-        were drawn from ``q`` inside the mask, stop tokens left out. Rejection sampling against the masked target needs exactly that ``q``
-        to keep the constrained distribution."""
+        were drawn from ``q`` inside the mask, stop tokens left out. Rejection sampling
+        against the masked target needs exactly that ``q`` to keep the constrained
+        distribution."""
         k = q.shape[0]
         rows = self.rows[:k].copy()
         for t in self.stops:  # a drafted stop token ends the block too: not in q's support
