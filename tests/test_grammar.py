@@ -131,45 +131,37 @@ def test_seeded_sampling_identity_under_grammar(model, tok, prompt, kind):
     )
 
 
-def test_sampled_distribution_with_draft_probabilities(model, tok, prompt):
-    """A draft model's ``q`` is conditioned on the grammar's mask: the joint of the first
-    two tokens is the target's under the grammar (chi-square)."""
+def _draft_model_policy():
     # the target's weights with a flatter head: q near p, so drafts are accepted
     draft = make_tiny_model("llama", vocab_size=VOCAB, seed=1, sharpness=4.0)
-    policy = specdec.Policy(
+    return specdec.Policy(
         name="dm",
         drafters=("draft_model",),
         options={"draft_model": {"model": draft, "num_draft_tokens": 2}},
     )
-    check_sampled_distribution(
-        model,
-        policy,
-        prompt,
-        tokenizer=tok,
-        max_tokens=2,
-        n_samples=1200,
-        grammar={"regex": "[a-z ]{3,12};"},  # no end within the first two tokens
-    )
 
 
-def test_sampled_distribution_where_the_grammar_may_end(model, tok, prompt):
-    """Where the grammar may end, the draft's ``q`` has mass on the end-of-sequence token,
-    which ends the block: the joint (outputs that end early included) is still the
-    target's under the grammar."""
-    draft = make_tiny_model("llama", vocab_size=VOCAB, seed=1, sharpness=4.0)
-    policy = specdec.Policy(
-        name="dm",
-        drafters=("draft_model",),
-        options={"draft_model": {"model": draft, "num_draft_tokens": 2}},
-    )
+@pytest.mark.parametrize(
+    ("grammar", "max_tokens"),
+    [
+        ({"regex": "[a-z ]{3,12};"}, 2),  # no end within the first two tokens
+        # where the grammar may end, q has mass on EOS, which ends the block; outputs
+        # that end early count as the tokens before the end
+        ({"regex": "(a|b|c|ab|ca|bc){1,3}"}, 3),
+    ],
+    ids=["no-end", "may-end"],
+)
+def test_sampled_distribution_with_draft_probabilities(model, tok, prompt, grammar, max_tokens):
+    """A draft model's ``q`` is conditioned on the grammar's mask (stop tokens left out):
+    the joint of the first tokens is the target's under the grammar (chi-square)."""
     check_sampled_distribution(
         model,
-        policy,
+        _draft_model_policy(),
         prompt,
         tokenizer=tok,
-        max_tokens=3,
+        max_tokens=max_tokens,
         n_samples=1200,
-        grammar={"regex": "(a|b|c|ab|ca|bc){1,3}"},
+        grammar=grammar,
     )
 
 
