@@ -89,7 +89,6 @@ class Pipeline:
             attach = optional(d, "drafter", "attach")
             if attach is not None:
                 attach(model, tokenizer)
-        self._grammar_tokenizer: Any = None
         #: the verify cost curve of this model on this device, when a drafter reads it.
         self.cost_model: CostModel | None = None
         if self.ranks is None and any(
@@ -312,14 +311,13 @@ class Pipeline:
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's tokenizer for this pipeline's tokenizer and vocabulary, built on
-        the first constrained request (a few hundred ms) and kept.
+        the first constrained request (a few hundred ms) and kept for every pipeline of
+        that tokenizer (:func:`specdec.grammar.grammar_tokenizer`).
 
         Raises:
             RequestError: the pipeline has no tokenizer llguidance can read.
         """
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size)
-        return self._grammar_tokenizer
+        return grammar_tokenizer(self.tokenizer, self.vocab_size)
 
     def grammar_state(self, request: Request) -> GrammarState | None:
         """A fresh matcher for ``request``'s grammar (``None`` without one).
