@@ -23,6 +23,28 @@ def oracle_policy(model, corruption="none", block=4, **extra):
     )
 
 
+class OneAmountRollback:
+    """Claims mlx-lm's ``BatchRotatingKVCache`` without ``supports_batch``: a batch whose
+    sliding-window layers get it cannot roll its rows back by different amounts (policy
+    ``rollback = "one_amount"``; register :class:`OneAmountPlugin`)."""
+
+    name = "one_amount"
+
+    def supports(self, cache):
+        from mlx_lm.models.cache import BatchRotatingKVCache
+
+        return type(cache) is BatchRotatingKVCache
+
+    def begin(self, cache):
+        return specdec.rollback.BatchRotatingRollback().begin(cache)
+
+
+class OneAmountPlugin:
+    @specdec.hookimpl
+    def specdec_register_cache_rollbacks(self, register):
+        register("one_amount", OneAmountRollback)
+
+
 def tiny_config(**overrides) -> dict:
     """The kit's tiny llama as a ``config.json`` dict, vocabulary 256 (the byte tokenizer's)."""
     return {**dataclasses.asdict(tiny_model_args("llama", vocab_size=256)), **overrides}

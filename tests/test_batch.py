@@ -127,16 +127,6 @@ def test_sampled_rows_with_copy_drafts_equal_each_prompt_alone(llama, prompts):
     assert out["accepted"] > 0
 
 
-def test_a_model_whose_cache_cannot_roll_back_rows_decodes_plainly_together():
-    gemma = make_tiny_model("gemma3")
-    p = [copy_heavy_prompt(gemma, [5, 6, 7], n=10), copy_heavy_prompt(gemma, [8, 2], n=14)]
-    out = check_batch_identity(gemma, "ngram", p, max_tokens=12, require_drafts=False)
-    assert out["drafted"] == 0
-    pipe = specdec.assemble(gemma, None, "ngram")
-    r = pipe.generate_batch(p, max_tokens=3)[0]
-    assert "RotatingKVCache" in r.stats.speculation_off_reason
-
-
 # -- errors and cancellation ----------------------------------------------------------
 
 

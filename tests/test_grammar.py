@@ -10,7 +10,7 @@ import re
 
 import pytest
 import specdec
-from core_support import oracle_policy, write_json_tokenizer
+from core_support import OneAmountPlugin, oracle_policy, write_json_tokenizer
 from specdec.errors import RequestError
 from specdec.grammar import Grammar
 from specdec.testing import (
@@ -19,6 +19,7 @@ from specdec.testing import (
     check_sampled_distribution,
     check_sampled_identity,
     make_tiny_model,
+    plugin_host,
 )
 
 VOCAB = 320
@@ -344,13 +345,16 @@ def test_logprobs_under_a_grammar_are_finite(model, tok, prompt):
 
 
 def test_a_batch_without_rollback_does_not_draft_forced_tokens(tok, prompt):
-    """A sliding-window model in a batch has no per-row rollback (speculation off): its
-    constrained rows draft nothing, so a row with a grammar and one without both finish,
-    each equal to its request alone."""
+    """A batch whose sliding-window layers have no per-row rollback (speculation off):
+    its constrained rows draft nothing, so a row with a grammar and one without both
+    finish, each equal to its request alone."""
     gemma = make_tiny_model("gemma3", vocab_size=VOCAB)
-    spec = specdec.assemble(gemma, tok, "forced")
+    with plugin_host(OneAmountPlugin()) as host:
+        pol = specdec.Policy(name="forced-one", forced_drafts=True, rollback="one_amount")
+        spec = specdec.assemble(gemma, tok, pol, host=host)
     plain = specdec.assemble(gemma, tok, "none")
     batch = spec.batch(2)
+    assert batch.off_reason is not None
     rows = {batch.add(prompt, max_tokens=20, grammar=GRAMMARS["lark"]): 0}
     rows[batch.add(prompt[3:], max_tokens=20)] = 1
     got: dict[int, list[int]] = {0: [], 1: []}

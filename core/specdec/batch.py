@@ -16,6 +16,13 @@ than the row that keeps most moves its oldest entries into the holes at its end
 and grows its left padding by as many (the entries of a cache are keys already
 rotated at their positions, so attention does not depend on their order): a few
 entries per row move, never the whole cache (see :class:`specdec.rollback.BatchKVRollback`).
+Sliding-window layers (``BatchRotatingKVCache``) need their entries in temporal
+order: there each row is rolled right by what it rejected beyond the tail all rows
+rejected (:class:`specdec.rollback.BatchRotatingRollback`).
+
+Each row's sessions see their round's :class:`specdec.VerifyResult` as a single
+request's (``RoundResult.verify``: the row's slice of the batch forward's logits,
+hidden states and layers).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from .lifecycle import (
 )
 from .request import Request
 from .roles import RoundResult, optional
-from .rollback import BatchKVRollback, build_plan
+from .rollback import BatchKVRollback, build_plan, order_for_block
 from .round import Round, RoundKind
 
 __all__ = ["Batch", "BatchEvent", "BatchKVRollback", "CacheSnapshot"]
@@ -143,7 +150,8 @@ class Batch:
     :meth:`cancel` frees a row at the next round. The batch is run by one thread.
 
     Speculation runs in a batch when every layer's cache has a rollback with
-    ``supports_batch`` (the built-in ``batch_kv`` for ``BatchKVCache``); otherwise
+    ``supports_batch`` (the built-in ``batch_kv`` for ``BatchKVCache``,
+    ``batch_rotating`` for sliding-window layers); otherwise
     the rows decode plainly, together, and their ``stats.speculation_off_reason``
     says why.
     """
@@ -372,6 +380,7 @@ class Batch:
             [m.state.history[-1], *r.block] + [m.state.history[-1]] * (width - r.n_fed)
             for m, r in zip(members, rounds)
         ]
+        order_for_block(self._caches, width)
         txn = self._plan.begin()
         t0 = time.perf_counter()
         try:
@@ -380,7 +389,7 @@ class Batch:
             logits = vr.logits
             mx.eval(logits)
         except Exception as exc:  # noqa: BLE001 - the forward is every row's: all fail
-            return self._fail_all(txn, exc, failed)
+            return self._fail_all(exc, failed)
         t_verify = time.perf_counter()
         keeps, results, accept_s = [], [], []
         for i, (m, rnd) in enumerate(zip(members, rounds)):
@@ -388,7 +397,8 @@ class Batch:
             t = time.perf_counter()
             if i not in failed:
                 try:
-                    res = self._accept(m.state, rnd, logits[i, : rnd.n_fed])
+                    rnd.vr = vr.row(i, rnd.n_fed)
+                    res = self._accept(m.state, rnd, rnd.vr.logits)
                 except Exception as exc:  # noqa: BLE001 - this request fails alone
                     failed[i] = exc
             accept_s.append(time.perf_counter() - t)
@@ -402,7 +412,7 @@ class Batch:
             # drafts): rollbacks without per-row support take it too.
             txn.commit(width, keeps[0] if len(set(keeps)) == 1 else keeps)
         except Exception as exc:  # noqa: BLE001 - the caches are every row's: all fail
-            return self._fail_all(txn, exc, failed)
+            return self._fail_all(exc, failed)
         t_done = time.perf_counter()
         self.rounds += 1
         self.round_time_s += t_done - t0
@@ -499,16 +509,12 @@ class Batch:
         rnd.n_fed = 1 + len(rnd.block)
         return rnd
 
-    def _fail_all(
-        self, txn: Any, exc: BaseException, failed: dict[int, BaseException]
-    ) -> list[BatchEvent]:
-        """A failure no row can be blamed for: undo the round, end every row with it
-        (rows that had failed already keep their own error)."""
+    def _fail_all(self, exc: BaseException, failed: dict[int, BaseException]) -> list[BatchEvent]:
+        """A failure no row can be blamed for: end every row with it (rows that had
+        failed already keep their own error). The round is not undone: the batch's
+        caches go with its last row."""
         gone = list(self._rows)
-        try:
-            txn.abort()
-        finally:
-            self._drop(gone)
+        self._drop(gone)
         return [BatchEvent(m.rid, error=failed.get(i, exc)) for i, m in enumerate(gone)]
 
     def _accept(self, state: RequestState, rnd: Round, logits: mx.array) -> RoundResult:

@@ -48,9 +48,11 @@ def specdec_register_acceptors(register):
 
 @hookimpl
 def specdec_register_cache_rollbacks(register):
-    """Register ``kv_trim``, ``rotating_window``, ``cache_list`` and ``batch_kv``."""
+    """Register ``kv_trim``, ``rotating_window``, ``cache_list``, ``batch_kv`` and
+    ``batch_rotating``."""
     from .rollback import (
         BatchKVRollback,
+        BatchRotatingRollback,
         CacheListRollback,
         KVTrimRollback,
         RotatingWindowRollback,
@@ -69,6 +71,11 @@ def specdec_register_cache_rollbacks(register):
         "batch_kv",
         BatchKVRollback,
         description="BatchKVCache: rows of a batch rolled back by different amounts",
+    )
+    register(
+        "batch_rotating",
+        BatchRotatingRollback,
+        description="BatchRotatingKVCache: sliding-window rows of a batch rolled back per row",
     )
 
 

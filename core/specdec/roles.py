@@ -122,6 +122,15 @@ class VerifyResult:
     layers: dict = attrs.field(factory=dict)
     extras: dict = attrs.field(factory=dict)
 
+    def row(self, i: int, n: int) -> VerifyResult:
+        """Row ``i``'s first ``n`` positions of a batch result (``verify_batch``'s arrays
+        are ``[B, width, ...]``) as one request's result; ``extras`` are not carried."""
+        return VerifyResult(
+            logits=self.logits[i, :n],
+            hidden=None if self.hidden is None else self.hidden[i, :n],
+            layers={k: v[i, :n] for k, v in self.layers.items()},
+        )
+
 
 @attrs.frozen
 class PrefillChunk:

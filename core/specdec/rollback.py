@@ -11,6 +11,9 @@
 * ``cache_list``: ``CacheList`` and other composites, by delegating each child.
 * ``batch_kv``: mlx-lm's ``BatchKVCache``, rows of a batch rolled back by different
   amounts (:class:`BatchKVRollback`).
+* ``batch_rotating``: mlx-lm's ``BatchRotatingKVCache`` (sliding-window layers of a
+  batch), rows rolled back by different amounts after a verify forward, also after
+  the window wrapped (:class:`BatchRotatingRollback`).
 
 A cache nothing can roll back (mlx-lm's ``ArraysCache`` for instance) makes
 the request fall back to plain decoding, with the reason in ``stats``.
@@ -23,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, dynamic_roll
 
 from .roles import optional
 
@@ -310,10 +314,7 @@ class _BatchKVTransaction:
 
     def commit(self, n_fed: int, n_keep: int | Sequence[int]) -> None:
         c = self.cache
-        rows = int(c.offset.shape[0])
-        keep = [int(n_keep)] * rows if isinstance(n_keep, int) else [int(k) for k in n_keep]
-        if len(keep) != rows or not all(0 <= k <= n_fed for k in keep):
-            raise ValueError(f"commit({n_fed}, {n_keep!r}) for a batch cache of {rows} rows")
+        keep = _per_row(n_fed, n_keep, int(c.offset.shape[0]))
         top = max(keep)
         if n_fed > top:
             c.trim(n_fed - top)
@@ -365,3 +366,117 @@ class BatchKVRollback:
     def begin(self, cache: Any) -> _BatchKVTransaction:
         """Remember the write index and the rows' offsets."""
         return _BatchKVTransaction(cache)
+
+
+def _per_row(n_fed: int, n_keep: int | Sequence[int], rows: int) -> list[int]:
+    """``n_keep`` as one count per row, checked against ``n_fed``."""
+    keep = [int(n_keep)] * rows if isinstance(n_keep, int) else [int(k) for k in n_keep]
+    if len(keep) != rows or not all(0 <= k <= n_fed for k in keep):
+        raise ValueError(f"commit({n_fed}, {n_keep!r}) for a batch cache of {rows} rows")
+    return keep
+
+
+class _BatchRotatingTransaction:
+    """Per-row rollback of a ``BatchRotatingKVCache`` (see :class:`BatchRotatingRollback`)."""
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        # References only: a multi-token forward replaces the buffers (mlx-lm's
+        # concatenating update), so these stay as they were, and a one-token write
+        # that does not wrap the ring lands past the entries they hold (abort refuses
+        # where it wrapped). The per-row arrays are copied: mlx-lm decrements
+        # ``left_padding`` in place.
+        self.saved = (
+            cache.keys,
+            cache.values,
+            mx.array(cache.offset),
+            mx.array(cache.left_padding),
+            cache._offset,
+            cache._idx,
+            cache.rotated,
+        )
+
+    def commit(self, n_fed: int, n_keep: int | Sequence[int]) -> None:
+        c = self.cache
+        keep = _per_row(n_fed, n_keep, int(c.offset.shape[0]))
+        if all(k == n_fed for k in keep):
+            return
+        if c.keys is None or c.rotated or c._idx != c.keys.shape[2] or c._idx < n_fed:
+            raise RuntimeError(
+                f"BatchRotatingKVCache(max_size={c.max_size}): rows can be rolled back only "
+                f"after one forward of all {n_fed} tokens (mlx-lm's concatenating update); "
+                "this cache was written one token at a time"
+            )
+        top = max(keep)
+        tail = n_fed - top
+        if tail:  # rejected by every row: cut off (mlx-lm's trim would leave it in the buffer)
+            c.keys = c.keys[..., : c._idx - tail, :]
+            c.values = c.values[..., : c._idx - tail, :]
+            c._idx -= tail
+            c._offset -= tail
+            c.offset = c.offset - tail
+        drop = [top - k for k in keep]
+        if any(drop):
+            # Each row's rejected entries wrap round to its front and become padding:
+            # its kept entries stay contiguous, in temporal order and right-aligned,
+            # which the window mask (slot distance as position distance) needs. A row
+            # whose every slot was valid (left padding below 0) starts from 0.
+            d = mx.array(drop)
+            c.keys = dynamic_roll(c.keys, d[:, None], axis=2)
+            c.values = dynamic_roll(c.values, d[:, None], axis=2)
+            c.left_padding = mx.maximum(c.left_padding, 0) + d
+            c.offset = c.offset - d
+
+    def abort(self) -> None:
+        c = self.cache
+        keys, values, offset, left_padding, _offset, idx, rotated = self.saved
+        if c.rotated and c._offset != _offset:  # the last write was in place, on the ring
+            raise RuntimeError(
+                "BatchRotatingKVCache was written in place since the transaction began: "
+                "the entries it overwrote cannot be restored"
+            )
+        c.keys, c.values, c.offset, c.left_padding = keys, values, offset, left_padding
+        c._offset, c._idx, c.rotated = _offset, idx, rotated
+
+
+class BatchRotatingRollback:
+    """Rollback of mlx-lm's ``BatchRotatingKVCache`` rows by different amounts.
+
+    For the target's sliding-window layers in a batch. A verify forward of ``n > 1``
+    tokens goes through mlx-lm's concatenating update, which lays the buffer out in
+    temporal order and keeps the window's last ``max_size - 1`` entries before the new
+    ones, so every entry a row still needs is there whatever it keeps (also after the
+    window wrapped). ``commit(n_fed, n_keep)`` cuts the tail every row rejected, then
+    rolls each row right by what it rejected beyond that (mlx-lm's own right-padding
+    move, ``dynamic_roll``) and counts those slots as its left padding. Committing
+    fewer than ``n_fed`` after one-token in-place writes raises (a drafter's own
+    caches need a snapshot this rollback does not take).
+    """
+
+    name = "batch_rotating"
+    supports_batch = True
+
+    def supports(self, cache: Any) -> bool:
+        """Exactly ``BatchRotatingKVCache``."""
+        return type(cache) is BatchRotatingKVCache
+
+    def begin(self, cache: Any) -> _BatchRotatingTransaction:
+        """Remember the buffers and indices."""
+        return _BatchRotatingTransaction(cache)
+
+
+def order_for_block(caches: Sequence[Any], width: int) -> None:
+    """Prepare batch caches for a forward of ``width`` tokens per row.
+
+    mlx-lm 0.32's ``BatchRotatingKVCache.make_mask`` counts a multi-token forward's
+    eviction from the ring's write index, while the update first lays a wrapped ring
+    out in temporal order: a row that still has left padding would lose its oldest
+    valid key. Putting wrapped layers in temporal order first (what the update does
+    anyway) makes the two agree. Nothing to do for a one-token forward.
+    """
+    if width <= 1:
+        return
+    for c in caches:
+        for layer in c.caches if type(c) is CacheList else (c,):
+            if type(layer) is BatchRotatingKVCache and layer.rotated:
+                layer._temporal_order()

@@ -56,6 +56,7 @@ class HiddenStateVerifier(BaseVerifier):
 
     name = "hidden"
     provides = frozenset({"logits", "hidden", "layer_hidden", "kv"})
+    supports_batch = True
 
     def __init__(self, layers: Sequence[int] = (), project: str = "all"):
         try:
@@ -88,12 +89,27 @@ class HiddenStateVerifier(BaseVerifier):
             raise PolicyError(f"verifier 'hidden': {exc}") from exc
         self.layers = tuple(dict.fromkeys(wanted))
 
+    def _bound(self, model: Any) -> ModelTaps:
+        """The taps on ``model`` (installed at first use)."""
+        if self._taps is None or self._taps.model is not model:
+            self.bind(model)
+        assert self._taps is not None
+        return self._taps
+
+    def verify_batch(self, model: Any, tokens: mx.array, caches: list) -> VerifyResult:
+        """One target forward over the rows of a batch (``tokens`` ``[B, n]``, rows
+        right-padded, mlx-lm batch caches): logits ``[B, n, vocab]``, hidden states
+        ``[B, n, hidden]``, layers ``[B, n, hidden]``. Always ``project="all"``."""
+        taps = self._bound(model)
+        with taps.recording(self.layers) as rec:
+            logits = model(tokens, cache=caches)
+        return VerifyResult(
+            logits=logits.astype(mx.float32), hidden=rec["hidden"], layers=dict(rec["layers"])
+        )
+
     def verify(self, model: Any, tokens: mx.array, caches: list) -> VerifyResult:
         """One target forward; logits ``[n, vocab]``, hidden states ``[n, hidden]``, layers."""
-        taps = self._taps if self._taps is not None and self._taps.model is model else None
-        if taps is None:
-            self.bind(model)
-            taps = self._taps
+        taps = self._bound(model)
         with taps.recording(self.layers) as rec:
             logits = model(tokens[None], cache=caches)
         h = rec["hidden"]
