@@ -45,6 +45,25 @@ class OneAmountPlugin:
         register("one_amount", OneAmountRollback)
 
 
+class SoloOnlyDrafter(specdec.BaseDrafter):
+    """A drafter without ``supports_batch`` (its sessions propose nothing)."""
+
+    name = "solo_only"
+
+    def session(self, ctx):
+        class _Nothing(specdec.BaseDrafterSession):
+            def propose(self, history, max_len):
+                return None
+
+        return _Nothing()
+
+
+class SoloOnlyPlugin:
+    @specdec.hookimpl
+    def specdec_register_drafters(self, register):
+        register("solo_only", SoloOnlyDrafter)
+
+
 def tiny_config(**overrides) -> dict:
     """The kit's tiny llama as a ``config.json`` dict, vocabulary 256 (the byte tokenizer's)."""
     return {**dataclasses.asdict(tiny_model_args("llama", vocab_size=256)), **overrides}

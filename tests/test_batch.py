@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import specdec
+from core_support import SoloOnlyPlugin
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from specdec.testing import check_batch_identity, copy_heavy_prompt, make_tiny_model, plugin_host
 
@@ -206,9 +207,10 @@ def test_bad_arguments_and_components_are_refused_before_model_work(llama, promp
         pipe.stream_batch([])
     with pytest.raises(specdec.RequestError, match="max_rows"):
         pipe.batch(0)
-    draft = specdec.assemble(llama, None, "none", draft_model=make_tiny_model("llama", seed=1))
-    with pytest.raises(specdec.PolicyError, match="draft_model.*does not support batched rows"):
-        draft.batch(2)
+    with plugin_host(SoloOnlyPlugin()) as host:
+        solo = specdec.assemble(llama, None, {"drafters": ["solo_only"]}, host=host)
+        with pytest.raises(specdec.PolicyError, match="solo_only.*does not support batched rows"):
+            solo.batch(2)
 
 
 def test_rows_can_start_from_a_prompt_cache(llama, prompts):

@@ -1100,7 +1100,6 @@ def test_cli_batch_compares_the_policy_with_none_and_mlx_lm_batch_generate(capsy
         (["--batch", "2,x"], "--batch takes batch sizes >= 1"),
         (["--batch", "2", "--baseline", "mlx-lm"], "does not take --baseline"),
         (["--batch", "2", "--temp", "1"], "does not take --temp"),
-        (["--batch", "2", "--policy", "draft"], "does not support batched rows"),
     ],
 )
 def test_cli_batch_bad_arguments(capsys, no_model_loading, byte_model, args, needle):

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import specdec
-from core_support import oracle_policy
+from core_support import SoloOnlyPlugin, oracle_policy
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import make_prompt_cache
 from specdec.testing import ALL_ARCHITECTURES, cache_view, make_tiny_model, plugin_host
@@ -585,12 +585,12 @@ def test_public_rollback_api(models):
 
 
 def test_batch_policy_with_a_component_that_cannot_batch_fails_before_model_work():
-    with plugin_host() as host, pytest.raises(specdec.PolicyError) as e:
+    with plugin_host(SoloOnlyPlugin()) as host, pytest.raises(specdec.PolicyError) as e:
         specdec.assemble(
-            "/no/such/model", policy={"drafters": ["draft_model"], "max_batch": 4}, host=host
+            "/no/such/model", policy={"drafters": ["solo_only"], "max_batch": 4}, host=host
         )
     msg = str(e.value)
-    assert "decodes 4 rows of a batch" in msg and "drafter 'draft_model'" in msg
+    assert "decodes 4 rows of a batch" in msg and "drafter 'solo_only'" in msg
     assert "supports_batch" in msg and "ngram_copy" in msg and "oracle" in msg  # the ones that do
     with pytest.raises(specdec.PolicyError, match="max_batch must be an integer >= 1"):
         specdec.Policy(max_batch=0)

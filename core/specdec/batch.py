@@ -38,6 +38,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from . import guard
 from . import round as phases
 from .attention import verify_attention
 from .composition import check_batch
@@ -51,7 +52,7 @@ from .lifecycle import (
     prompt_cache_length,
 )
 from .request import Request
-from .roles import RoundResult, optional
+from .roles import Ask, BatchContext, DrafterBatch, RoundResult, optional
 from .rollback import BatchKVRollback, build_plan, order_for_block
 from .round import Round, RoundKind
 
@@ -115,6 +116,8 @@ class _Member:
     #: some round kept fewer of this row's entries than of another row's, or the row
     #: started from an unordered snapshot: its entries may be out of position order
     ragged: bool = False
+    #: the drafters whose batch state (``DrafterBatch``) holds this row
+    joined: list = attrs.Factory(list)
 
 
 def _held(caches: list) -> int | None:
@@ -192,6 +195,12 @@ class Batch:
         self._caches: list | None = None
         self._plan: Any = None
         self._next = 0
+        #: the drafters' batch states (drafters with ``batch``), made with the first row
+        self._drafting: dict[str, DrafterBatch] = {}
+        #: drafters whose batch state raised: their rows fail (it is made anew once the
+        #: batch is empty)
+        self._broken: dict[str, BaseException] = {}
+        self._drafter_batches()
 
     # -- queue ------------------------------------------------------------------
 
@@ -289,6 +298,56 @@ class Batch:
         self._rows = []
         self._pending.clear()
         self._caches = self._plan = None
+        self._end_drafting()
+
+    def _end_drafting(self, names: Sequence[str] | None = None) -> None:
+        """End the drafters' batch states, or those of ``names`` (warning for one that
+        raises)."""
+        for name in list(self._drafting if names is None else names):
+            db = self._drafting.pop(name)
+            try:
+                db.end()
+            except Exception as exc:  # noqa: BLE001 - the batch is closing anyway
+                warnings.warn(
+                    f"drafter {name!r}: its batch state raised in end(): {exc!r}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+    def _drafter_batches(self, state: RequestState | None = None) -> dict[str, DrafterBatch]:
+        """The batch state of each of the policy's drafters that has ``batch``, made where
+        missing (none when the rows cannot speculate).
+
+        Raises:
+            PolicyError: a drafter's ``batch`` raised, when the batch is made (no ``state``).
+            ComponentError: it raised when ``state``'s row joins (that row fails).
+        """
+        if self.off_reason is not None:
+            return self._drafting
+        pipe = self.pipeline
+        for d in pipe.drafters:
+            make = optional(d, "drafter", "batch")
+            if make is None or d.name in self._drafting:
+                continue
+            ctx = BatchContext(
+                model=pipe.model,
+                tokenizer=pipe.tokenizer,
+                options=pipe.policy.options_for(d.name),
+                host=pipe.host,
+                verifier=pipe.verifier,
+                max_rows=self.max_rows,
+            )
+            try:
+                self._drafting[d.name] = make(ctx)
+            except Exception as exc:
+                if state is not None:
+                    guard.blame(state, "drafter", d.name, "batch", exc, None)
+                if isinstance(exc, PolicyError):
+                    raise
+                raise PolicyError(
+                    f"drafter {d.name!r} cannot draft for the rows of a batch: {exc}"
+                ) from exc
+        return self._drafting
 
     # -- admission ----------------------------------------------------------------
 
@@ -335,6 +394,7 @@ class Batch:
             if n is not None:
                 snap = CacheSnapshot(tuple(state.history[:n]), state.caches, not m.ragged)
                 m.snapshots.append(snap)
+        self._join_drafting(m)
         if self._caches is None:
             plan = build_plan(pipe.host, merged, model=pipe.model, policy=pipe.policy)
             mx.eval([c.state for c in merged])
@@ -348,21 +408,60 @@ class Batch:
             except BaseException:  # the other rows' caches stay as they were
                 for c, st in zip(self._caches, saved):
                     c.state = st
+                self._leave_drafting([m])
                 raise
         state.caches = self._caches
         state.stats.rollbacks = self._plan.names() if self.off_reason is None else []
         self._rows.append(m)
 
+    def _join_drafting(self, m: _Member) -> None:
+        """Hand row ``m``'s sessions of drafters with a batch state over to it (after its
+        prompt was prefilled alone).
+
+        Raises:
+            ComponentError: a drafter's ``join`` raised (the row joined no batch state).
+        """
+        drafting = self._drafter_batches(m.state)
+        for name, s in m.state.sessions:
+            db = drafting.get(name)
+            if db is None:
+                continue
+            try:
+                db.join(m.rid, s)
+            except Exception as exc:
+                self._leave_drafting([m])
+                guard.blame(m.state, "drafter", name, "join", exc, None)
+            m.joined.append(name)
+
+    def _leave_drafting(self, gone: list[_Member]) -> None:
+        """Tell the drafters' batch states that rows are gone (a state whose ``leave``
+        raises is ended: the rows that were in it fail at the next round)."""
+        for name, db in list(self._drafting.items()):
+            rows = [m.rid for m in gone if name in m.joined]
+            if not rows:
+                continue
+            for m in gone:
+                if name in m.joined:
+                    m.joined.remove(name)
+            try:
+                db.leave(rows)
+            except Exception as exc:  # noqa: BLE001 - its rows cannot draft any more
+                self._broken[name] = exc
+
     def _drop(self, gone: list[_Member]) -> None:
         """Remove rows from the batch (their sessions end; the caches keep the others)."""
         if not gone:
             return
+        self._leave_drafting(gone)
         for m in gone:
             close(m.state)
         keep = [i for i, m in enumerate(self._rows) if m not in gone]
         self._rows = [self._rows[i] for i in keep]
         if not self._rows:
             self._caches = self._plan = None
+            for name in self._broken:
+                self._end_drafting([name])
+            self._broken.clear()
             return
         for c in self._caches:
             c.filter(keep)
@@ -374,7 +473,7 @@ class Batch:
         with one keep count per row, observe and emit."""
         members = list(self._rows)
         failed: dict[int, BaseException] = {}
-        rounds = [self._plan_row(i, m, failed) for i, m in enumerate(members)]
+        rounds = self._plan_rows(members, failed)
         width = max(r.n_fed for r in rounds)
         rows = [
             [m.state.history[-1], *r.block] + [m.state.history[-1]] * (width - r.n_fed)
@@ -413,6 +512,7 @@ class Batch:
             txn.commit(width, keeps[0] if len(set(keeps)) == 1 else keeps)
         except Exception as exc:  # noqa: BLE001 - the caches are every row's: all fail
             return self._fail_all(exc, failed)
+        self._observe_drafting(members, results, failed)
         t_done = time.perf_counter()
         self.rounds += 1
         self.round_time_s += t_done - t0
@@ -483,31 +583,124 @@ class Batch:
             return None
         return CacheSnapshot(tuple(m.state.history[:n]), own, not m.ragged)
 
-    def _plan_row(self, i: int, m: _Member, failed: dict[int, BaseException]) -> Round:
-        """A row's round: its block planned and settled (a plain row has none); a row
-        whose drafter or governor raised is fed its last token only and fails alone."""
-        state, policy = m.state, self.pipeline.policy
-        position = len(state.history)
-        if not state.sessions and not state.forces:  # a plain row: nothing to plan
-            rnd = Round(kind=RoundKind.PLAIN, position=position)
+    def _plan_rows(self, members: list[_Member], failed: dict[int, BaseException]) -> list[Round]:
+        """Every row's round: its block planned (:func:`specdec.round.plan_steps`; the
+        asks of all rows for a drafter with a batch state answered in one ``propose``),
+        then read back (one host sync for every lazy block) and cut to its grammar. A
+        plain row has no block; a row whose drafter or governor raised is fed its last
+        token only and fails alone."""
+        policy = self.pipeline.policy
+        rounds: list[Round] = []
+        waiting: dict[int, tuple[Any, Ask]] = {}
+        for i, m in enumerate(members):
+            state, position = m.state, len(m.state.history)
+            plain = not state.sessions and not state.forces
+            kind = RoundKind.PLAIN if plain else RoundKind.SPECULATIVE
+            rounds.append(Round(kind=kind, position=position))
+            if not plain:
+                steps = phases.plan_steps(state, policy, rounds[i])
+                self._advance(i, steps, lambda s=steps: next(s, None), waiting, failed)
+        while waiting:
+            groups: dict[str, list[int]] = {}
+            for i, (_, ask) in waiting.items():
+                groups.setdefault(ask.drafter, []).append(i)
+            for name, rows in groups.items():
+                asks = [waiting[i][1] for i in rows]
+                answers = self._propose(name, asks)
+                for i, answer in zip(rows, answers):
+                    steps, _ = waiting.pop(i)
+                    if isinstance(answer, BaseException):
+                        call = lambda s=steps, e=answer: s.throw(e)  # noqa: E731
+                    else:
+                        call = lambda s=steps, d=answer: phases.resume(s, d)  # noqa: E731
+                    self._advance(i, steps, call, waiting, failed)
+        blocks = [
+            r.block for i, r in enumerate(rounds) if i not in failed and phases.is_lazy(r.block)
+        ]
+        if blocks:
             try:
-                phases.constrain(state, rnd)  # a grammar's mask for its one row
+                mx.eval(blocks)  # one host sync for every row's lazy block
+            except Exception:  # noqa: BLE001 - settle names the row whose block raises
+                pass
+        for i, (m, rnd) in enumerate(zip(members, rounds)):
+            try:
+                if i not in failed:
+                    if rnd.kind is RoundKind.SPECULATIVE:
+                        phases.constrain(m.state, rnd)  # cut to the grammar, masks filled
+                        phases.count_block(m.state.stats, rnd)
+                        phases.settle(rnd, m.state)
+                    else:
+                        phases.constrain(m.state, rnd)  # a grammar's mask for its one row
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failed[i] = exc
-            phases.choose_acceptor(policy, state.sampler, rnd)
-            return rnd
-        rnd = Round(kind=RoundKind.SPECULATIVE, position=position)
+            if i in failed and rnd.kind is RoundKind.SPECULATIVE:
+                rnd = rounds[i] = Round(kind=RoundKind.SPECULATIVE, position=rnd.position)
+            phases.choose_acceptor(policy, m.state.sampler, rnd)
+            if rnd.kind is RoundKind.SPECULATIVE:
+                rnd.n_fed = 1 + len(rnd.block)
+        return rounds
+
+    def _advance(
+        self,
+        i: int,
+        steps: Any,
+        call: Any,
+        waiting: dict[int, tuple[Any, Ask]],
+        failed: dict[int, BaseException],
+    ) -> None:
+        """Run row ``i``'s plan from ``call`` (its first step, or the answer to its ask):
+        sessions without a batch state propose at once; an ask for a drafter with one is
+        left in ``waiting``; what the plan raises fails the row."""
         try:
-            phases.plan(state, policy, rnd)
-            phases.constrain(state, rnd)  # cut to the grammar, its masks filled
-            phases.count_block(state.stats, rnd)
-            phases.settle(rnd, state)
-            phases.choose_acceptor(policy, state.sampler, rnd)
+            ask = call()
+            while ask is not None and ask.drafter not in self._drafting:
+                try:
+                    draft = ask.session.propose(ask.history, ask.max_len)
+                except Exception as exc:  # noqa: BLE001 - blamed inside, at the ask
+                    ask = steps.throw(exc)
+                else:
+                    ask = phases.resume(steps, draft)
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             failed[i] = exc
-            rnd = Round(kind=RoundKind.SPECULATIVE, position=position)
-        rnd.n_fed = 1 + len(rnd.block)
-        return rnd
+            return
+        if ask is not None:
+            waiting[i] = (steps, ask)
+
+    def _observe_drafting(
+        self, members: list[_Member], results: list, failed: dict[int, BaseException]
+    ) -> None:
+        """Every drafter batch state told the round of each of its rows (after the
+        target's commit); one that raises fails its rows."""
+        for name, db in self._drafting.items():
+            rows = [i for i, m in enumerate(members) if name in m.joined]
+            if not rows or name in self._broken:
+                continue
+            took = {members[i].rid: results[i] for i in rows if results[i] is not None}
+            try:
+                db.observe(took)
+            except Exception as exc:  # noqa: BLE001 - its rows fail
+                self._broken[name] = exc
+                for i in rows:
+                    state = members[i].state
+                    err = guard.component_error(
+                        state, "drafter", name, "observe", exc, len(state.history)
+                    )
+                    failed.setdefault(i, err)
+                    results[i] = None
+
+    def _propose(self, name: str, asks: list[Ask]) -> list[Any]:
+        """Drafter ``name``'s batch state asked for every asking row's block at once: a
+        draft (or ``None``) per ask, or the exception to throw into each row's plan."""
+        if name in self._broken:
+            return [self._broken[name]] * len(asks)
+        try:
+            drafts = list(self._drafting[name].propose(asks))
+        except Exception as exc:  # noqa: BLE001 - every asking row fails with it
+            return [exc] * len(asks)
+        if len(drafts) != len(asks):
+            err = RuntimeError(f"batch propose returned {len(drafts)} drafts for {len(asks)} asks")
+            return [err] * len(asks)
+        return drafts
 
     def _fail_all(self, exc: BaseException, failed: dict[int, BaseException]) -> list[BatchEvent]:
         """A failure no row can be blamed for: end every row with it (rows that had

@@ -237,6 +237,80 @@ class RequestContext:
     cached: int = 0
 
 
+@attrs.frozen
+class BatchContext:
+    """What a drafter's batch-level state may need, given to ``batch(ctx)``.
+
+    Attributes:
+        model: the target mlx-lm model.
+        tokenizer: the tokenizer (may be ``None``).
+        options: the policy options for this drafter.
+        host: the plugin host the pipeline resolved its components from.
+        verifier: the pipeline's verifier.
+        max_rows: the most rows the batch holds at once.
+    """
+
+    model: Any
+    tokenizer: Any
+    options: dict = attrs.field(factory=dict)
+    host: Any = None
+    verifier: Any = None
+    max_rows: int = 1
+
+
+@attrs.frozen
+class Ask:
+    """One row's request for a block from a drafter with a :class:`DrafterBatch`: what
+    ``session.propose(history, max_len)`` would have been asked alone.
+
+    Attributes:
+        row: the row's id in its batch (what ``Batch.add`` returned, ``ctx.row``).
+        drafter: the drafter's name.
+        session: the row's session of this drafter (the one given to ``join``).
+        history: prompt + committed output (the target's caches hold all but the last).
+        max_len: the most tokens to propose.
+    """
+
+    row: int
+    drafter: str
+    session: Any
+    history: Sequence[int]
+    max_len: int
+
+
+@runtime_checkable
+class DrafterBatch(Protocol):
+    """A drafter's state for all the rows of one :class:`specdec.Batch`, made by the
+    drafter's optional ``batch(ctx)`` when the batch starts: its draft steps run once
+    for every asking row (one forward per step), its own caches hold one row per
+    request. Rows are named by their ids (``ctx.row`` of their sessions), stable while
+    other rows join and leave.
+
+    The batch calls, between rounds, ``join`` for a row that was prefilled alone (its
+    session saw the prompt's chunks) and ``leave`` for rows that are gone; in a round,
+    ``propose`` once with the asks of every row whose plan reached this drafter, then,
+    after the target's commit, ``observe`` once with every row's result; ``end`` when
+    the batch closes. The rows' sessions still get ``observe``/``end``/``stats`` as
+    alone, but not ``propose``.
+    """
+
+    def join(self, row: int, session: Any) -> None:
+        """Take over a row's state from its session (e.g. its draft cache, prefilled alone)."""
+
+    def leave(self, rows: Sequence[int]) -> None:
+        """Drop these rows (finished, failed or cancelled)."""
+
+    def propose(self, asks: Sequence[Ask]) -> list[Draft | None]:
+        """One draft per ask, in order (``None``: nothing to propose for that row).
+        Raising fails every asking row and must leave the state of the rows as it was."""
+
+    def observe(self, results: dict[int, RoundResult]) -> None:
+        """The round's outcome for every row that took part (row id -> result)."""
+
+    def end(self) -> None:
+        """The batch closed: drop everything."""
+
+
 @runtime_checkable
 class DrafterSession(Protocol):
     """One request's drafting state, made by :meth:`Drafter.session`.
@@ -284,7 +358,8 @@ class Drafter(Protocol):
     it over as ``ctx.head``), ``head_model`` / ``head_tokenizer`` (a model of its own
     whose output layer the head reads, and that model's tokenizer), ``uses_verify_cost``,
     ``deterministic``, ``attach(model, tokenizer)`` (called once by ``assemble`` to
-    check the target before any request).
+    check the target before any request), ``batch(ctx)`` (its :class:`DrafterBatch`
+    for the rows of a batch, with ``supports_batch``).
     """
 
     name: str
@@ -493,6 +568,10 @@ class BaseDrafter:
     #: ``attach(model, tokenizer)``: check the target once, at ``assemble``, before any
     #: request (``None``: nothing to check).
     attach: Callable[[Any, Any], None] | None = None
+    #: ``batch(ctx: BatchContext) -> DrafterBatch``: the drafter's state for all rows of a
+    #: batch, so its draft steps run once for every row (``None``: each row's session
+    #: proposes alone). Needs ``supports_batch``.
+    batch: Callable[[BatchContext], DrafterBatch] | None = None
 
     def session(self, ctx: RequestContext) -> DrafterSession:  # pragma: no cover
         """Start a request; subclasses override."""
@@ -608,6 +687,7 @@ class BaseDraftHead:
 PROTOCOLS: dict[str, type] = {
     "drafter": Drafter,
     "drafter_session": DrafterSession,
+    "drafter_batch": DrafterBatch,
     "verifier": Verifier,
     "acceptor": Acceptor,
     "cache_rollback": CacheRollback,
@@ -621,6 +701,7 @@ PROTOCOLS: dict[str, type] = {
 BASES: dict[str, type | None] = {
     "drafter": BaseDrafter,
     "drafter_session": BaseDrafterSession,
+    "drafter_batch": None,
     "verifier": BaseVerifier,
     "acceptor": None,
     "cache_rollback": BaseCacheRollback,

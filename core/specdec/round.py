@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import attrs
@@ -30,7 +30,7 @@ from . import guard
 from .acceptors import auto_acceptor
 from .errors import ComponentError
 from .grammar import FORCED
-from .roles import Acceptance, RoundResult, VerifyResult, optional
+from .roles import Acceptance, Ask, RoundResult, VerifyResult, optional
 
 __all__ = [
     "FORCED",
@@ -44,7 +44,9 @@ __all__ = [
     "count_block",
     "observe",
     "plan",
+    "plan_steps",
     "process",
+    "resume",
     "result",
     "settle",
 ]
@@ -141,7 +143,38 @@ def settle(rnd: Round, state: Any = None) -> tuple:
 
 
 def plan(state: Any, policy: Any, rnd: Round) -> None:
-    """Ask the governor and the drafters, in policy order, for this round's block.
+    """Ask the governor and the drafters, in policy order, for this round's block
+    (:func:`plan_steps`, each session asked through its own ``propose``).
+
+    Raises:
+        ComponentError: a session or the governor raised (naming it, the round, the call).
+        DraftError: the winning draft breaks the :class:`specdec.Draft` contract.
+    """
+    steps = plan_steps(state, policy, rnd)
+    ask = next(steps, None)
+    while ask is not None:
+        try:
+            draft = ask.session.propose(ask.history, ask.max_len)
+        except Exception as exc:  # noqa: BLE001 - blamed inside, at the ask
+            ask = steps.throw(exc)
+        else:
+            ask = resume(steps, draft)
+
+
+def resume(steps: Generator[Ask, Any, None], draft: Any) -> Ask | None:
+    """Give a :func:`plan_steps` generator the draft it asked for; its next ask, or
+    ``None`` when the round's plan is done."""
+    try:
+        return steps.send(draft)
+    except StopIteration:
+        return None
+
+
+def plan_steps(state: Any, policy: Any, rnd: Round) -> Generator[Ask, Any, None]:
+    """:func:`plan` as a generator: it yields an :class:`specdec.roles.Ask` for each session
+    to ask and is sent the session's :class:`specdec.Draft` (or ``None``), or thrown
+    what ``propose`` raised; the batch driver collects the asks of all rows for a
+    drafter with a :class:`specdec.roles.DrafterBatch` and answers them in one call.
 
     The first session that proposes at least ``policy.min_block`` tokens wins; sessions
     the governor gives no budget are asked for a shadow proposal instead when the
@@ -184,7 +217,7 @@ def plan(state: Any, policy: Any, rnd: Round) -> None:
                 _shadow(state, rnd, name, fn, limit, history)
             continue
         try:
-            draft = s.propose(history, budget)
+            draft = yield Ask(state.row, name, s, history, budget)
         except Exception as exc:
             guard.blame(state, "drafter", name, "propose", exc, rnd.position)
         if draft is None or draft.size < policy.min_block:

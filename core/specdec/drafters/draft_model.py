@@ -7,6 +7,10 @@ Drafting is lazy, as in mlx-lm's ``speculative_generate_step``: the draft
 tokens stay on the device and the core queues the verify forward on them, so
 a round syncs with the device once. Each request's session keeps its own
 draft cache and rolls it back to the accepted prefix after every round.
+
+In a :class:`specdec.Batch` the rows' draft caches are one batch cache
+(:class:`DraftModelBatch`): each draft step is one forward for every row that
+drafts, and each row keeps its own accepted prefix (the ``batch_kv`` rollback).
 """
 
 from __future__ import annotations
@@ -24,14 +28,18 @@ from ..errors import ModelLoadError, PolicyError
 from ..heads import model_vocab_size
 from ..options import Option, Options, non_empty
 from ..roles import (
+    Ask,
     BaseDrafter,
     BaseDrafterSession,
+    BatchContext,
     Draft,
     PrefillChunk,
     RequestContext,
     RoundResult,
+    optional,
 )
 from ..rollback import build_plan
+from ..sampling import STREAM_DRAFT
 
 #: The options of ``draft_model``.
 OPTIONS = Options(
@@ -61,6 +69,8 @@ class DraftModelDrafter(BaseDrafter):
     #: A replicated draft model drafts the same block and q on every rank of a sharded
     #: target: q need not be broadcast.
     deterministic = True
+    #: Rows of a batch draft together (:meth:`batch`).
+    supports_batch = True
 
     def __init__(
         self,
@@ -111,6 +121,15 @@ class DraftModelDrafter(BaseDrafter):
         """A fresh draft cache for the request, rolled back with every registered rollback."""
         return DraftModelSession(self, ctx)
 
+    def batch(self, ctx: BatchContext) -> DraftModelBatch:
+        """The draft caches of a batch's rows as one batch cache.
+
+        Raises:
+            PolicyError: the draft model's caches cannot be rolled back per row after
+                its one-token draft steps (sliding-window layers).
+        """
+        return DraftModelBatch(self, ctx)
+
 
 class DraftModelSession(BaseDrafterSession):
     """One request's draft cache and pending transaction."""
@@ -129,6 +148,8 @@ class DraftModelSession(BaseDrafterSession):
         self.fed = 0  # history tokens whose K/V are in the draft cache
         self.pending: tuple | None = None
         self.rounds = 0
+        self.prompt = list(ctx.prompt_tokens)
+        self.batched = False  # its cache became a row of a DraftModelBatch
 
     def prefill(self, chunk: PrefillChunk) -> None:
         """Prefill the draft cache with the prompt, chunk by chunk, as the target is prefilled."""
@@ -200,4 +221,205 @@ class DraftModelSession(BaseDrafterSession):
         out = {"draft_rounds": self.rounds, "num_draft_tokens": self.num_draft_tokens}
         if self.head is not None:
             out["head"] = self.head.name
+        if self.batched:
+            out["batched"] = True
         return out
+
+
+class DraftModelBatch:
+    """The draft caches of a :class:`specdec.Batch`'s rows as one mlx-lm batch cache.
+
+    A round's asks are drafted together: the first step feeds every row what its draft
+    cache has not seen (right-padded; rows that do not draft this round catch up too),
+    then each further step is one ``[B, 1]`` forward. The first step's padding and,
+    after the round, each row's rejected drafts are rolled back per row.
+    """
+
+    def __init__(self, drafter: DraftModelDrafter, ctx: BatchContext):
+        self.drafter = drafter
+        self.model = drafter.model
+        self.k = drafter.num_draft_tokens
+        probe = [type(c).merge([c]) for c in make_prompt_cache(self.model)]
+        plan = build_plan(ctx.host, probe, model=self.model)
+        unable = [
+            f"{type(c).__name__} ({r.name if r is not None else 'no rollback'})"
+            for c, r in zip(probe, plan.assigned)
+            if r is None
+            or not optional(r, "cache_rollback", "supports_batch")
+            or type(c).__name__ != "BatchKVCache"
+        ]
+        if unable:
+            raise PolicyError(
+                f"drafter 'draft_model': the draft model's caches cannot be rolled back per "
+                f"row after one-token draft steps: {unable[0]}; draft models with full "
+                "attention only (KVCache layers) draft for rows of a batch"
+            )
+        self.host = ctx.host
+        self.rows: list[int] = []  # row ids, in the order of the cache's rows
+        self.sessions: dict[int, DraftModelSession] = {}
+        self.history: dict[int, list[int]] = {}  # each row's prompt + committed tokens
+        self.caches: list | None = None
+        self.plan: Any = None
+        self.pending: tuple | None = None  # the open round's step transaction and blocks
+        self.backbone: Any = None
+        #: draft forwards run (each for every row), for tests and stats
+        self.forwards = 0
+
+    def join(self, row: int, session: DraftModelSession) -> None:
+        """The row's draft cache (its prompt but the last token) becomes a row of the batch's."""
+        if session.fed < len(session.prompt) - 1:  # not prefilled (a cached prompt prefix)
+            rest = session.prompt[session.fed : -1]
+            self.model(mx.array(rest)[None], cache=session.cache)
+            session.fed += len(rest)
+        merged = [type(c).merge([c]) for c in session.cache]
+        mx.eval([c.state for c in merged])
+        if self.caches is None:
+            self.caches = merged
+            self.plan = build_plan(self.host, self.caches, model=self.model)
+        else:
+            for c, o in zip(self.caches, merged):
+                c.extend(o)
+        session.cache = None
+        session.batched = True
+        self.rows.append(row)
+        self.sessions[row] = session
+        self.history[row] = session.prompt[: session.fed + 1]
+
+    def leave(self, rows: Sequence[int]) -> None:
+        """Drop the rows' entries (mlx-lm's ``filter``)."""
+        gone = set(rows)
+        keep = [i for i, r in enumerate(self.rows) if r not in gone]
+        for r in gone & set(self.rows):
+            del self.sessions[r], self.history[r]
+        self.rows = [self.rows[i] for i in keep]
+        self.pending = None
+        if not self.rows:
+            self.caches = self.plan = None
+        elif self.caches is not None:
+            for c in self.caches:
+                c.filter(keep)
+
+    def propose(self, asks: Sequence[Ask]) -> list[Draft | None]:
+        """Draft every ask's block together, lazily (one forward per draft step)."""
+        index = {r: i for i, r in enumerate(self.rows)}
+        want: dict[int, tuple[Ask, int]] = {}
+        for a in asks:
+            n = min(a.max_len, self.k)
+            if n >= 1:
+                want[index[a.row]] = (a, n)
+        if not want:
+            return [None] * len(asks)
+        feeds = []
+        for i, r in enumerate(self.rows):
+            fed = self.sessions[r].fed
+            feed = list(want[i][0].history[fed:]) if i in want else self.history[r][fed:]
+            if i in want and not feed:
+                raise RuntimeError("draft_model: history is not ahead of the draft cache")
+            feeds.append(feed)
+        width = max(len(f) for f in feeds)
+        steps = max(n for _, n in want.values())
+        txn = self.plan.begin()
+        step_txn = None
+        try:
+            tokens = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.int32)
+            last = mx.array([max(len(f), 1) - 1 for f in feeds])
+            logits = self._logits(tokens, want, last)
+            txn.commit(width, [len(f) for f in feeds])  # the padding out, every feed kept
+            txn = None
+            drawn: dict[int, list] = {i: [] for i in want}
+            qs: dict[int, list] = {i: [] for i in want}
+            pad = mx.zeros((1,), mx.int32)
+            for step in range(steps):
+                if step == 1:
+                    step_txn = self.plan.begin()
+                if step:
+                    y = [drawn[i][-1] if i in drawn else pad for i in range(len(self.rows))]
+                    logits = self._logits(mx.concatenate(y)[:, None], want, None)
+                for i, (a, n) in want.items():
+                    if step >= n:
+                        continue
+                    row = logits[i : i + 1]
+                    sampler = a.session.sampler
+                    if sampler.is_greedy:
+                        y_i = mx.argmax(row, axis=-1)
+                    else:
+                        qs[i].append(sampler.probs(row)[0])
+                        y_i = sampler.sample_lazy(row, len(a.history) + step, STREAM_DRAFT)
+                    drawn[i].append(y_i.astype(mx.int32))
+                mx.async_eval([d[-1] for d in drawn.values()])
+        except BaseException:
+            for t in (step_txn, txn):
+                if t is not None:
+                    t.abort()
+            raise
+        for i, r in enumerate(self.rows):
+            self.sessions[r].fed += len(feeds[i])
+        self.forwards += steps
+        out: list[Draft | None] = []
+        blocks = {}
+        for a in asks:
+            i = index[a.row]
+            if i not in want:
+                out.append(None)
+                continue
+            blocks[a.row] = toks = mx.concatenate(drawn[i])
+            self.sessions[a.row].rounds += 1
+            out.append(Draft(tokens=toks, probs=mx.stack(qs[i]) if qs[i] else None))
+        self.pending = (step_txn, steps - 1, blocks)
+        return out
+
+    def _logits(self, tokens: mx.array, want: dict, last: mx.array | None) -> mx.array:
+        """The draft model's next-token logits ``[B, vocab]`` after ``tokens`` ``[B, n]``
+        (at each row's ``last`` position; the last one when ``None``), through the asking
+        rows' head when the drafter has one."""
+        if self.drafter.head is None:
+            out = self.model(tokens, cache=self.caches).astype(mx.float32)
+        else:
+            if self.backbone is None:
+                self.backbone = model_taps(self.model).backbone
+            out = self.backbone(tokens, cache=self.caches)
+        if last is None:
+            out = out[:, -1]
+        else:
+            out = mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
+        if self.drafter.head is None:
+            return out
+        rows = [
+            want[i][0].session.head.logits(out[i : i + 1], context=want[i][0].history)
+            if i in want
+            else None
+            for i in range(tokens.shape[0])
+        ]
+        some = next(r for r in rows if r is not None)
+        return mx.concatenate([some * 0 if r is None else r for r in rows])
+
+    def observe(self, results: dict[int, RoundResult]) -> None:
+        """Every row's committed tokens noted; each drafting row keeps its draft entries
+        that match what it committed."""
+        for r, res in results.items():
+            self.history[r].extend(res.committed)
+        if self.pending is None:
+            return
+        txn, n_fed, blocks = self.pending
+        self.pending = None
+        keeps = []
+        for r in self.rows:
+            res = results.get(r)
+            m = 0
+            if res is not None and r in blocks:
+                fed_draft = res.proposals.get(self.drafter.name)
+                if fed_draft is None:
+                    fed_draft = tuple(blocks[r].tolist())
+                for a, b in zip(fed_draft[:n_fed], res.committed):
+                    if a != b:
+                        break
+                    m += 1
+            keeps.append(m)
+            self.sessions[r].fed += m
+        if txn is not None:
+            txn.commit(n_fed, keeps)
+
+    def end(self) -> None:
+        """Drop the draft caches."""
+        self.caches = self.plan = self.pending = None
+        self.rows, self.sessions, self.history = [], {}, {}
