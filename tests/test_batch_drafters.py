@@ -145,7 +145,9 @@ class _Echo:
         self.rows = [r for r in self.rows if r not in rows]
         self.log.append(("leave", tuple(rows)))
 
-    def propose(self, asks):
+    def propose(self, asks, caches):
+        assert [a.index for a in asks] == sorted(a.index for a in asks)
+        assert all(c.offset.shape[0] > max(a.index for a in asks) for c in caches)
         self.log.append(("propose", tuple(a.row for a in asks)))
         if any(a.history[0] == 63 for a in asks):
             raise ValueError("a prompt starting with 63")
@@ -224,3 +226,184 @@ def test_a_batched_propose_that_raises_fails_the_asking_rows_alone(llama, prompt
     assert "echo" in str(errors[0][1]) and "propose" in str(errors[0][1])
     want = specdec.assemble(llama, None, "none").generate(prompts[1], max_tokens=6).tokens
     assert out == want and b == a + 1
+
+
+# -- failures and ordering (found by review) ------------------------------------------------
+
+
+class _NoneBatch:
+    """A batch state that proposes nothing (its rows go on to the next drafter)."""
+
+    def join(self, row, session):
+        pass
+
+    def leave(self, rows):
+        pass
+
+    def propose(self, asks, caches):
+        return [None for _ in asks]
+
+    def observe(self, results):
+        pass
+
+    def end(self):
+        pass
+
+
+class _NoneDrafter(specdec.BaseDrafter):
+    name = "nothing"
+    supports_batch = True
+
+    def session(self, ctx):
+        return _EchoSession()
+
+    def batch(self, ctx):
+        return _NoneBatch()
+
+
+class _SkipSession(specdec.BaseGovernorSession):
+    """Gives row 1 no budget for ``nothing`` (it goes straight to the next drafter), and
+    row ``silent`` no budget at all on its rounds ``rounds``."""
+
+    def __init__(self, row, silent=None, rounds=()):
+        self.row, self.silent, self.rounds, self.n = row, silent, set(rounds), 0
+
+    def budget(self, drafter, max_len):
+        if self.row == self.silent and drafter == "draft_model":
+            self.n += 1
+            if self.n in self.rounds:
+                return 0
+        return 0 if (drafter == "nothing" and self.row == 1) else max_len
+
+
+class _Skip(specdec.BaseGovernor):
+    name = "skip"
+    supports_batch = True
+    silent = None
+    rounds: tuple = ()
+
+    def session(self, ctx):
+        return _SkipSession(ctx.row, self.silent, self.rounds)
+
+
+class _OrderPlugin:
+    @specdec.hookimpl
+    def specdec_register_drafters(self, register):
+        register("nothing", _NoneDrafter)
+
+    @specdec.hookimpl
+    def specdec_register_governors(self, register):
+        register("skip", _Skip)
+
+
+def test_rows_that_reach_a_batched_drafter_in_different_orders_ask_it_once(llama, prompts):
+    """Row 1 skips the first drafter, row 0 goes through it: both reach ``draft_model``
+    in the same round, which is asked once for both."""
+    draft = Counting(make_tiny_model("llama", seed=3))
+    with plugin_host(_OrderPlugin()):
+        pol = specdec.Policy(
+            name="order",
+            drafters=("nothing", "draft_model"),
+            governor="skip",
+            options={"draft_model": {"model": draft, "num_draft_tokens": 3}},
+        )
+        out = check_batch_identity(llama, pol, prompts[:2], max_tokens=16)
+    assert out["drafted"] > 0
+    # every draft forward over both rows: never a second call for a row in one round
+    assert draft.calls and all(b == 2 for b in draft.calls[-5:])
+
+
+def test_a_failed_draft_step_leaves_the_other_rows_draft_caches_in_step(llama, prompts):
+    """``propose`` raising after the catch-up forward: the asking row fails, the row that
+    did not ask keeps its draft cache and its count of what it holds in step, so every
+    later draft of the target-as-draft is accepted."""
+    from specdec.drafters import draft_model as dm
+
+    armed = {"on": False}
+    real = dm.DraftModelBatch._logits
+
+    def flaky(self, tokens, want, last):
+        if armed["on"] and last is None:  # a draft step after the catch-up forward
+            armed["on"] = False
+            raise RuntimeError("a draft step failed")
+        return real(self, tokens, want, last)
+
+    class Arm(_SkipSession):
+        def budget(self, drafter, max_len):
+            b = super().budget(drafter, max_len)
+            if b == 0 and drafter == "draft_model":
+                armed["on"] = True
+            return b
+
+    class Gov(_Skip):
+        def session(self, ctx):
+            return Arm(ctx.row, silent=1, rounds=(3,))
+
+    class Plugin:
+        @specdec.hookimpl
+        def specdec_register_governors(self, register):
+            register("arm", Gov)
+
+    dm.DraftModelBatch._logits = flaky
+    try:
+        with plugin_host(Plugin()) as host:
+            pol = _draft_policy(llama, governor="arm")
+            batch = specdec.assemble(llama, None, pol, host=host).batch(2)
+            a = batch.add(prompts[0], max_tokens=30)
+            b = batch.add(prompts[1], max_tokens=30)
+            state = batch._drafting["draft_model"]
+            errors, stats = {}, {}
+            while len(batch):
+                for ev in batch.step():
+                    if ev.error is not None:
+                        errors[ev.row] = ev.error
+                    elif ev.response.stats is not None:
+                        stats[ev.row] = ev.response.stats
+                if b in state.sessions:
+                    c, s = state.caches[0], state.sessions[b]
+                    assert int(c.offset[state.rows.index(b)].item()) == s.fed
+    finally:
+        dm.DraftModelBatch._logits = real
+    assert list(errors) == [a] and "a draft step failed" in str(errors[a].__cause__)
+    assert stats[b].accepted == stats[b].drafted > 0
+
+
+class _LeavesBadly(_Echo):
+    def leave(self, rows):
+        super().leave(rows)
+        if len([e for e in self.log if e[0] == "leave"]) == 1:
+            raise ValueError("leave failed")
+
+
+class _LeavesBadlyDrafter(_EchoDrafter):
+    def batch(self, ctx):
+        return _LeavesBadly(self.log)
+
+
+class _LeavesBadlyPlugin:
+    @specdec.hookimpl
+    def specdec_register_drafters(self, register):
+        register("echo", _LeavesBadlyDrafter)
+
+
+def test_a_batch_state_that_fails_ends_its_rows_and_later_rows_get_a_new_one(llama, prompts):
+    _LeavesBadlyDrafter.log = log = []
+    with plugin_host(_LeavesBadlyPlugin()) as host:
+        pipe = specdec.assemble(llama, None, {"name": "echo", "drafters": ["echo"]}, host=host)
+        batch = pipe.batch(2)
+        first = batch.add(prompts[0], max_tokens=2)
+        held = batch.add(prompts[1], max_tokens=20)
+        errors, done = {}, {}
+        later = None
+        while len(batch):
+            for ev in batch.step():
+                if ev.error is not None:
+                    errors[ev.row] = ev.error
+                elif ev.response.finish_reason is not None:
+                    done[ev.row] = ev.response
+            if first in done and later is None:
+                later = batch.add(prompts[2], max_tokens=6)
+    assert list(errors) == [held]  # the row the failed state still held
+    assert "leave" in str(errors[held]) and "leave failed" in str(errors[held].__cause__)
+    assert later in done  # a row that joined later drafted with a new state
+    assert [e for e in log if e[0] == "end"]

@@ -118,6 +118,9 @@ class _Member:
     ragged: bool = False
     #: the drafters whose batch state (``DrafterBatch``) holds this row
     joined: list = attrs.Factory(list)
+    #: the error of a drafter's batch state that failed while holding this row (the row
+    #: fails at its next round)
+    lost: BaseException | None = None
 
 
 def _held(caches: list) -> int | None:
@@ -197,9 +200,6 @@ class Batch:
         self._next = 0
         #: the drafters' batch states (drafters with ``batch``), made with the first row
         self._drafting: dict[str, DrafterBatch] = {}
-        #: drafters whose batch state raised: their rows fail (it is made anew once the
-        #: batch is empty)
-        self._broken: dict[str, BaseException] = {}
         self._drafter_batches()
 
     # -- queue ------------------------------------------------------------------
@@ -396,8 +396,12 @@ class Batch:
                 m.snapshots.append(snap)
         self._join_drafting(m)
         if self._caches is None:
-            plan = build_plan(pipe.host, merged, model=pipe.model, policy=pipe.policy)
-            mx.eval([c.state for c in merged])
+            try:
+                plan = build_plan(pipe.host, merged, model=pipe.model, policy=pipe.policy)
+                mx.eval([c.state for c in merged])
+            except BaseException:
+                self._leave_drafting([m])
+                raise
             self._caches, self._plan = merged, plan
         else:
             saved = [c.state for c in self._caches]
@@ -434,8 +438,7 @@ class Batch:
             m.joined.append(name)
 
     def _leave_drafting(self, gone: list[_Member]) -> None:
-        """Tell the drafters' batch states that rows are gone (a state whose ``leave``
-        raises is ended: the rows that were in it fail at the next round)."""
+        """Tell the drafters' batch states that rows are gone."""
         for name, db in list(self._drafting.items()):
             rows = [m.rid for m in gone if name in m.joined]
             if not rows:
@@ -445,8 +448,21 @@ class Batch:
                     m.joined.remove(name)
             try:
                 db.leave(rows)
-            except Exception as exc:  # noqa: BLE001 - its rows cannot draft any more
-                self._broken[name] = exc
+            except Exception as exc:  # noqa: BLE001 - its other rows cannot draft any more
+                self._lose(name, "leave", exc)
+
+    def _lose(self, name: str, call: str, exc: BaseException) -> None:
+        """Drafter ``name``'s batch state raised in ``call`` and cannot be trusted: it is
+        ended, every row it held fails at its next round with that error (named), and
+        rows that join later get a new one."""
+        for m in self._rows:
+            if name in m.joined:
+                m.joined.remove(name)
+                if m.lost is None:
+                    position = len(m.state.history)
+                    m.lost = guard.component_error(m.state, "drafter", name, call, exc, position)
+                    m.lost.__cause__ = exc
+        self._end_drafting([name])
 
     def _drop(self, gone: list[_Member]) -> None:
         """Remove rows from the batch (their sessions end; the caches keep the others)."""
@@ -459,9 +475,6 @@ class Batch:
         self._rows = [self._rows[i] for i in keep]
         if not self._rows:
             self._caches = self._plan = None
-            for name in self._broken:
-                self._end_drafting([name])
-            self._broken.clear()
             return
         for c in self._caches:
             c.filter(keep)
@@ -597,23 +610,27 @@ class Batch:
             plain = not state.sessions and not state.forces
             kind = RoundKind.PLAIN if plain else RoundKind.SPECULATIVE
             rounds.append(Round(kind=kind, position=position))
-            if not plain:
+            if m.lost is not None:  # a drafter's batch state failed while holding it
+                failed[i] = m.lost
+            elif not plain:
                 steps = phases.plan_steps(state, policy, rounds[i])
                 self._advance(i, steps, lambda s=steps: next(s, None), waiting, failed)
+        order = {d: n for n, d in enumerate(policy.drafters)}
         while waiting:
-            groups: dict[str, list[int]] = {}
-            for i, (_, ask) in waiting.items():
-                groups.setdefault(ask.drafter, []).append(i)
-            for name, rows in groups.items():
-                asks = [waiting[i][1] for i in rows]
-                answers = self._propose(name, asks)
-                for i, answer in zip(rows, answers):
-                    steps, _ = waiting.pop(i)
-                    if isinstance(answer, BaseException):
-                        call = lambda s=steps, e=answer: s.throw(e)  # noqa: E731
-                    else:
-                        call = lambda s=steps, d=answer: phases.resume(s, d)  # noqa: E731
-                    self._advance(i, steps, call, waiting, failed)
+            # The drafter earliest in the policy first: a row only moves on to later
+            # drafters, so each batch state is asked once per round, with every row
+            # that reaches it.
+            name = min((ask.drafter for _, ask in waiting.values()), key=order.__getitem__)
+            rows = [i for i, (_, ask) in waiting.items() if ask.drafter == name]
+            asks = [attrs.evolve(waiting[i][1], index=i) for i in rows]
+            answers = self._propose(name, asks)
+            for i, answer in zip(rows, answers):
+                steps, _ = waiting.pop(i)
+                if isinstance(answer, BaseException):
+                    call = lambda s=steps, e=answer: s.throw(e)  # noqa: E731
+                else:
+                    call = lambda s=steps, d=answer: phases.resume(s, d)  # noqa: E731
+                self._advance(i, steps, call, waiting, failed)
         blocks = [
             r.block for i, r in enumerate(rounds) if i not in failed and phases.is_lazy(r.block)
         ]
@@ -670,31 +687,26 @@ class Batch:
         self, members: list[_Member], results: list, failed: dict[int, BaseException]
     ) -> None:
         """Every drafter batch state told the round of each of its rows (after the
-        target's commit); one that raises fails its rows."""
-        for name, db in self._drafting.items():
+        target's commit); one that raises fails its rows (and is made anew for rows
+        that join later)."""
+        for name, db in list(self._drafting.items()):
             rows = [i for i, m in enumerate(members) if name in m.joined]
-            if not rows or name in self._broken:
+            if not rows:
                 continue
             took = {members[i].rid: results[i] for i in rows if results[i] is not None}
             try:
                 db.observe(took)
             except Exception as exc:  # noqa: BLE001 - its rows fail
-                self._broken[name] = exc
+                self._lose(name, "observe", exc)
                 for i in rows:
-                    state = members[i].state
-                    err = guard.component_error(
-                        state, "drafter", name, "observe", exc, len(state.history)
-                    )
-                    failed.setdefault(i, err)
+                    failed.setdefault(i, members[i].lost or exc)
                     results[i] = None
 
     def _propose(self, name: str, asks: list[Ask]) -> list[Any]:
         """Drafter ``name``'s batch state asked for every asking row's block at once: a
         draft (or ``None``) per ask, or the exception to throw into each row's plan."""
-        if name in self._broken:
-            return [self._broken[name]] * len(asks)
         try:
-            drafts = list(self._drafting[name].propose(asks))
+            drafts = list(self._drafting[name].propose(asks, self._caches))
         except Exception as exc:  # noqa: BLE001 - every asking row fails with it
             return [exc] * len(asks)
         if len(drafts) != len(asks):

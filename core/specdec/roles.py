@@ -269,6 +269,8 @@ class Ask:
         session: the row's session of this drafter (the one given to ``join``).
         history: prompt + committed output (the target's caches hold all but the last).
         max_len: the most tokens to propose.
+        index: the row's index in the target's batch caches this round (they change as
+            rows leave).
     """
 
     row: int
@@ -276,6 +278,7 @@ class Ask:
     session: Any
     history: Sequence[int]
     max_len: int
+    index: int = 0
 
 
 @runtime_checkable
@@ -300,9 +303,11 @@ class DrafterBatch(Protocol):
     def leave(self, rows: Sequence[int]) -> None:
         """Drop these rows (finished, failed or cancelled)."""
 
-    def propose(self, asks: Sequence[Ask]) -> list[Draft | None]:
+    def propose(self, asks: Sequence[Ask], caches: list) -> list[Draft | None]:
         """One draft per ask, in order (``None``: nothing to propose for that row).
-        Raising fails every asking row and must leave the state of the rows as it was."""
+        ``caches`` are the target's batch caches (row ``ask.index`` holds all of
+        ``ask.history`` but the last token). Raising fails every asking row and must
+        leave the state of the rows as it was."""
 
     def observe(self, results: dict[int, RoundResult]) -> None:
         """The round's outcome for every row that took part (row id -> result)."""

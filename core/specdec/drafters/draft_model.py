@@ -299,8 +299,9 @@ class DraftModelBatch:
             for c in self.caches:
                 c.filter(keep)
 
-    def propose(self, asks: Sequence[Ask]) -> list[Draft | None]:
-        """Draft every ask's block together, lazily (one forward per draft step)."""
+    def propose(self, asks: Sequence[Ask], caches: list) -> list[Draft | None]:
+        """Draft every ask's block together, lazily (one forward per draft step); the
+        target's ``caches`` are not read."""
         index = {r: i for i, r in enumerate(self.rows)}
         want: dict[int, tuple[Ask, int]] = {}
         for a in asks:
@@ -326,6 +327,8 @@ class DraftModelBatch:
             logits = self._logits(tokens, want, last)
             txn.commit(width, [len(f) for f in feeds])  # the padding out, every feed kept
             txn = None
+            for i, r in enumerate(self.rows):
+                self.sessions[r].fed += len(feeds[i])
             drawn: dict[int, list] = {i: [] for i in want}
             qs: dict[int, list] = {i: [] for i in want}
             pad = mx.zeros((1,), mx.int32)
@@ -352,8 +355,6 @@ class DraftModelBatch:
                 if t is not None:
                     t.abort()
             raise
-        for i, r in enumerate(self.rows):
-            self.sessions[r].fed += len(feeds[i])
         self.forwards += steps
         out: list[Draft | None] = []
         blocks = {}

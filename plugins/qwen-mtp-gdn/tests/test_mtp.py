@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
 from specdec.testing import (
     FAULTS,
+    check_batch_identity,
     check_drafter_faults,
     check_greedy_identity,
     check_sampled_distribution,
@@ -425,3 +426,56 @@ def test_mtp_forward_matches_an_independent_numpy_reference(arch):
     cache = head.make_cache()
     rows = [head(emb[None, i : i + 1], hid[None, i : i + 1], cache)[0, 0] for i in range(L)]
     np.testing.assert_allclose(np.array(mx.stack(rows)), want, atol=2e-4, rtol=2e-4)
+
+
+# -- rows of a batch --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_batch_rows_draft_together_and_equal_each_prompt_alone(trained, arch, monkeypatch):
+    """Rows with different prompt lengths, two at a time (the others join as rows
+    finish): each row equals its prompt decoded alone, the head drafts and is accepted,
+    and its recursion steps are head calls for every row at once."""
+    from specdec_qwen_mtp_gdn.mtp_drafter import QwenMTPBatch
+
+    model, _, seqs = trained(arch)
+    made = []
+    real = QwenMTPDrafter.batch
+
+    def recording(self, ctx):
+        b = real(self, ctx)
+        made.append(b)
+        return b
+
+    monkeypatch.setattr(QwenMTPDrafter, "batch", recording)
+    prompts = [seqs[0][:8], seqs[1][:5], seqs[2][:11], seqs[3][:7]]
+    out = check_batch_identity(model, MTP, prompts, max_tokens=[24, 12, 30, 20], max_rows=2)
+    assert out["accepted"] > 0 and out["max_batch_rows"] == 2
+    assert made and isinstance(made[0], QwenMTPBatch)
+    assert made[0].joint_rounds > 0  # two rows' drafts from the same head calls
+    rows = specdec.assemble(model, policy=MTP).generate_batch(prompts, max_tokens=24)
+    for r in rows:
+        st = r.stats.per_drafter["qwen_mtp"]
+        assert st["mtp_rounds"] > 0 and st["hidden_gaps"] == 0 and st["batched"]
+    assert sum(r.stats.per_drafter["qwen_mtp"]["mtp_accepted"] for r in rows) > 0
+
+
+def test_batch_rows_mixed_with_copy_drafts(trained):
+    model, _, seqs = trained("qwen3_5")
+    prompt = list(copy_prompt("qwen3_5"))
+    pol = specdec.load_policy("copy-mtp").with_options("ngram_copy", sizing="ladder")
+    out = check_batch_identity(model, pol, [prompt, seqs[1][:6], seqs[4][:9]], max_tokens=30)
+    assert out["accepted"] > 0
+    rows = specdec.assemble(model, policy=pol).generate_batch([prompt, seqs[1][:6]], max_tokens=30)
+    assert all(r.stats.per_drafter["qwen_mtp"]["hidden_gaps"] == 0 for r in rows)
+
+
+def test_sampled_batch_rows_equal_the_same_policy_alone(trained):
+    model, _, seqs = trained("qwen3_5")
+    pipe = specdec.assemble(model, policy=MTP)
+    prompts = [seqs[1][:8], seqs[3][:6], seqs[4][:10]]
+    kw = dict(max_tokens=20, temperature=0.7, seed=3)
+    alone = [pipe.generate(p, **kw).tokens for p in prompts]
+    rows = pipe.generate_batch(prompts, **kw)
+    assert [r.tokens for r in rows] == alone
+    assert sum(r.stats.accepted for r in rows) > 0

@@ -28,7 +28,7 @@ from .drafter import DEFAULTS, NAME, Gemma4MTPDrafter, create_gemma4_mtp
 from .target import TargetBinding, bind_target
 from .train import AssistantTrainer, cluster_vocabulary, new_assistant, train_assistant
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "DEFAULTS",

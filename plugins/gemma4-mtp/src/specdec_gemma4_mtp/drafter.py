@@ -16,6 +16,11 @@ through the target; the target's caches hold positions ``0 .. n-2``):
 The queries' RoPE position is the bonus token's (``n - 1``, Hugging Face's convention,
 ``position="bonus"``) or the last committed token's (``n - 2``, vLLM's and mlx-vlm's,
 ``position="last"``).
+
+In a :class:`specdec.Batch` (:class:`Gemma4MTPBatch`) the drafting rows step together:
+one assistant call per draft step for all of them, each row's query at its own RoPE
+position, attending to its own row of the target's batch caches through a mask (the
+left padding; a sliding layer's last ``window`` entries).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from specdec import (
 )
 from specdec.depth import AdaptiveDepth
 from specdec.options import Option, Options
+from specdec.roles import Ask, BatchContext
+from specdec.sampling import STREAM_DRAFT
 
 from .assistant import AssistantLoadError
 from .checkpoint import load_assistant
@@ -103,6 +110,7 @@ class Gemma4MTPDrafter(BaseDrafter):
 
     name = NAME
     needs = frozenset({"hidden", "kv"})
+    supports_batch = True
 
     def __init__(self, **options: Any) -> None:
         o = OPTIONS.parse(options)
@@ -196,6 +204,12 @@ class Gemma4MTPDrafter(BaseDrafter):
         self.binding.check_caches(ctx.caches, self.config.layer_types)
         return Gemma4MTPSession(self, ctx)
 
+    def batch(self, ctx: BatchContext) -> Gemma4MTPBatch:
+        """The rows of a batch drafting together (the assistant keeps no cache)."""
+        if self.binding is None or self.binding.model is not ctx.model:
+            self.attach(ctx.model, ctx.tokenizer)
+        return Gemma4MTPBatch(self)
+
 
 class Gemma4MTPSession(BaseDrafterSession):
     """One request: the target's hidden row before the last token, depth, statistics."""
@@ -227,6 +241,7 @@ class Gemma4MTPSession(BaseDrafterSession):
         self.h_pos = -1
         self.last: tuple[int, int] | None = None
         self.no_state = 0
+        self.batched = False  # a row of a Gemma4MTPBatch (reads the batch's caches)
 
     def prefill(self, chunk: PrefillChunk) -> None:
         """Keep the hidden state of the chunk's last position (the last one is what the
@@ -292,8 +307,136 @@ class Gemma4MTPSession(BaseDrafterSession):
         return {
             **self.adapt.stats(),
             "rounds_without_state": self.no_state,
+            "batched": self.batched,
             "assistant": dict(self.d.info),
         }
+
+
+def _row_kv(cache: Any, rows: mx.array, window: int | None) -> tuple:
+    """The ``(keys, values, mask)`` of ``rows`` of a target batch cache: keys and values
+    ``[R, kv_heads, S, d]`` (a wrapped ring laid out in temporal order), ``mask``
+    ``[R, 1, 1, S]``, true where the row's entry is one a query that adds no key of its
+    own attends to (past its left padding; a sliding layer's last ``window`` slots).
+
+    Raises:
+        AssistantLoadError: the cache is not an mlx-lm batch cache of attention.
+    """
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+
+    if type(cache) is BatchKVCache:
+        keys, values = cache.keys[..., : cache._idx, :], cache.values[..., : cache._idx, :]
+    elif type(cache) is BatchRotatingKVCache:
+        keys, values = cache.keys, cache.values
+        if cache.rotated:
+            keys = mx.roll(keys, -cache._idx, 2)
+            values = mx.roll(values, -cache._idx, 2)
+        else:
+            keys, values = keys[..., : cache._idx, :], values[..., : cache._idx, :]
+    else:
+        raise AssistantLoadError(
+            f"gemma4_mtp: a batch cache of the target is a {type(cache).__name__}, whose K/V "
+            "the assistant cannot read per row (it reads BatchKVCache and BatchRotatingKVCache)"
+        )
+    keys, values = keys[rows], values[rows]
+    size = keys.shape[2]
+    slot = mx.arange(size)[None, :]
+    valid = slot >= mx.maximum(cache.left_padding[rows], 0)[:, None]
+    if window is not None:
+        valid = valid & (slot >= size - window)
+    return keys, values, valid[:, None, None, :]
+
+
+class Gemma4MTPBatch:
+    """The drafting rows of a :class:`specdec.Batch`, one assistant call per draft step
+    for all of them (a :class:`specdec.roles.DrafterBatch`; no state of its own: the rows'
+    hidden states and depths stay in their sessions, the K/V is the target's)."""
+
+    def __init__(self, drafter: Gemma4MTPDrafter) -> None:
+        self.d = drafter
+        self.module = drafter.module
+        self.binding = drafter.binding
+        self.types = drafter.config.layer_types
+        self.window = drafter.config.sliding_window
+        self.sessions: dict[int, Gemma4MTPSession] = {}
+        self.calls = 0  # assistant calls run, for tests
+        self.joint_rounds = 0  # rounds in which two rows or more drafted in the same calls
+
+    def join(self, row: int, session: Gemma4MTPSession) -> None:
+        """The row's session no longer reads its own (prefill) caches."""
+        session.caches = None
+        session.batched = True
+        self.sessions[row] = session
+
+    def leave(self, rows: Sequence[int]) -> None:
+        """Forget the rows."""
+        for r in rows:
+            self.sessions.pop(r, None)
+
+    def propose(self, asks: Sequence[Ask], caches: list) -> list[Draft | None]:
+        """Draft every ready ask's ``min(max_len, depth)`` tokens together (lazily)."""
+        ready = []
+        for a in asks:
+            s = self.sessions[a.row]
+            k, n = min(a.max_len, s.depth), len(a.history)
+            if k < 1 or n < 2:
+                continue
+            if s.h is None or s.h_pos != n - 2:
+                s.no_state += 1
+                continue
+            ready.append((a, s, k))
+        if not ready:
+            return [None] * len(asks)
+        index = mx.array([a.index for a, _, _ in ready])
+        kv, masks = {}, {}
+        for t in dict.fromkeys(self.types):
+            donor = self.binding.donors[t]
+            window = self.window if t == "sliding_attention" else None
+            keys, values, valid = _row_kv(caches[donor.layer], index, window)
+            kv[t], masks[t] = (keys, values), valid
+        bonus = self.d.position_used == "bonus"
+        position = mx.array([len(a.history) - (1 if bonus else 2) for a, _, _ in ready])
+        ropes = {t: self.binding.donors[t].rope for t in set(self.types)}
+        scales = {t: self.binding.donors[t].scale for t in set(self.types)}
+        masked = ready[0][1].masked
+        state = mx.concatenate([s.h for _, s, _ in ready])[:, None]  # [R, 1, H]
+        y = mx.array([a.history[-1] for a, _, _ in ready])
+        steps = max(k for _, _, k in ready)
+        self.joint_rounds += len(ready) > 1
+        tokens: list[list] = [[] for _ in ready]
+        qs: list[list] = [[] for _ in ready]
+        for i in range(steps):
+            emb = self.binding.embed_tokens(y)[:, None]
+            normed, state = self.module.hidden(emb, state, kv, ropes, position, scales, masks)
+            logits = self.module.logits(normed[:, 0], masked=masked)  # [R, V]
+            self.calls += 1
+            drawn = []
+            for j, (a, s, k) in enumerate(ready):
+                row = logits[j : j + 1]
+                greedy = s.sampler.is_greedy or self.d.sampled_drafts == "greedy"
+                if greedy:
+                    y_j = mx.argmax(row, axis=-1)
+                else:
+                    if i < k:
+                        qs[j].append(s.sampler.probs(row)[0])
+                    y_j = s.sampler.sample_lazy(row, len(a.history) + i, STREAM_DRAFT)
+                if i < k:
+                    tokens[j].append(y_j)
+                drawn.append(y_j)
+            y = mx.concatenate(drawn)
+            mx.async_eval(y)
+        out: dict[int, Draft] = {}
+        for j, (a, s, k) in enumerate(ready):
+            s.last = (len(a.history), k)
+            probs = mx.stack(qs[j]) if qs[j] else None
+            out[a.row] = Draft(tokens=mx.concatenate(tokens[j]), probs=probs)
+        return [out.get(a.row) for a in asks]
+
+    def observe(self, results: dict[int, RoundResult]) -> None:
+        """Nothing: the sessions keep their rows' hidden states."""
+
+    def end(self) -> None:
+        """Forget every row."""
+        self.sessions = {}
 
 
 def create_gemma4_mtp(**options: Any) -> Gemma4MTPDrafter:

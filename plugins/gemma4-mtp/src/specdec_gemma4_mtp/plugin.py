@@ -20,6 +20,7 @@ def specdec_register_drafters(register):
             "position, centroids)."
         ),
         needs={"hidden", "kv"},
+        supports_batch=True,
     )
 
 

@@ -44,7 +44,7 @@ from .rollback import (
 from .tiny import HYBRID_ARCHITECTURES, make_tiny_hybrid, tiny_hybrid_config
 from .train import train_mtp_head
 
-__version__ = "0.4.1"
+__version__ = "0.5.0"
 
 __all__ = [
     "HYBRID_ARCHITECTURES",

@@ -18,6 +18,11 @@ through the target):
 No second target forward is ever needed. Greedy drafts are the head's argmax; under
 sampling they are drawn from the head's distribution with the request's sampler
 (``specdec.sampling.STREAM_DRAFT`` keys), which is returned as ``q`` for rejection sampling.
+
+In a :class:`specdec.Batch` the rows' head caches are one batch cache
+(:class:`QwenMTPBatch`): every row's catch-up is one right-padded head call, each
+recursion step one call for every drafting row, the recursive entries dropped by one
+uniform trim. The rows' bookkeeping (pending hidden rows, depth) stays in their sessions.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from specdec import (
 )
 from specdec.depth import AdaptiveDepth
 from specdec.options import Option, Options, non_empty
+from specdec.roles import Ask, BatchContext
+from specdec.rollback import BatchKVRollback
+from specdec.sampling import STREAM_DRAFT
 
 from .mtp import MTPLoadError, load_mtp, text_model
 
@@ -110,6 +118,7 @@ class QwenMTPDrafter(BaseDrafter):
 
     name = NAME
     needs = frozenset({"hidden"})
+    supports_batch = True
 
     def __init__(self, **options: Any) -> None:
         o = OPTIONS.parse(options)
@@ -156,6 +165,12 @@ class QwenMTPDrafter(BaseDrafter):
             self.attach(ctx.model, ctx.tokenizer)
         return QwenMTPSession(self, ctx)
 
+    def batch(self, ctx: BatchContext) -> QwenMTPBatch:
+        """The head caches of a batch's rows as one batch cache."""
+        if self.module is None or self._target is not ctx.model:
+            self.attach(ctx.model, ctx.tokenizer)
+        return QwenMTPBatch(self, ctx)
+
 
 class QwenMTPSession(BaseDrafterSession):
     """One request's MTP cache, pending hidden states and depth."""
@@ -196,6 +211,7 @@ class QwenMTPSession(BaseDrafterSession):
         self.accepted_total = 0
         self.gaps = 0
         self.broken = False
+        self.batched = False  # its head cache became a row of a QwenMTPBatch
 
     # -- feeding the head -------------------------------------------------------------
 
@@ -211,21 +227,37 @@ class QwenMTPSession(BaseDrafterSession):
         self.pending.append(rows[skip:])
         self.pending_n += rows.shape[0] - skip
 
+    def pairs(self, upto: int) -> tuple[mx.array, mx.array] | None:
+        """The pending (hidden row, next token) pairs for positions ``fed .. upto`` as
+        ``(hidden [n, H], token embeddings [n, H])``, ``None`` when some are not known
+        yet; nothing is fed."""
+        n = upto + 1 - self.fed
+        if n <= 0 or self.pending_n < n or len(self.tokens) < upto + 2:
+            return None
+        hid = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=0)
+        toks = mx.array(self.tokens[self.fed + 1 : upto + 2])
+        return hid[:n], self.embed(toks)
+
+    def fed_pairs(self, n: int, seed: mx.array) -> None:
+        """``n`` pending pairs went through the head; its last output is ``seed``."""
+        hid = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=0)
+        rest = hid[n:]
+        self.pending = [rest] if rest.shape[0] else []
+        self.pending_n -= n
+        self.fed += n
+        self.seed = seed
+
     def _catch_up(self, upto: int) -> bool:
         """Feed the pending pairs for positions ``fed .. upto`` (needs ``x[upto+1]``)."""
         n = upto + 1 - self.fed
         if n <= 0:
             return n == 0 and self.seed is not None  # caught up already
-        if self.pending_n < n or len(self.tokens) < upto + 2:
+        got = self.pairs(upto)
+        if got is None:
             return False
-        hid = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=0)
-        toks = mx.array(self.tokens[self.fed + 1 : upto + 2])
-        out = self.module(self.embed(toks)[None], hid[None, :n], self.cache)
-        self.seed = out[0, -1:]
-        rest = hid[n:]
-        self.pending = [rest] if rest.shape[0] else []
-        self.pending_n -= n
-        self.fed = upto + 1
+        hid, emb = got
+        out = self.module(emb[None], hid[None], self.cache)
+        self.fed_pairs(n, out[0, -1:])
         return True
 
     def prefill(self, chunk: PrefillChunk) -> None:
@@ -279,7 +311,11 @@ class QwenMTPSession(BaseDrafterSession):
         v = result.verify
         if v is not None and v.hidden is not None:
             self._add_hidden(start - 1, v.hidden[: result.n_accepted + 1])
-        if self.pending_n > _MAX_PENDING and self._catch_up(len(self.tokens) - 2):
+        if (
+            not self.batched
+            and self.pending_n > _MAX_PENDING
+            and self._catch_up(len(self.tokens) - 2)
+        ):
             # Evaluate now: a lazy catch-up would keep the rows and the graph alive.
             mx.async_eval([c.state for c in self.cache] + [self.seed])
 
@@ -303,8 +339,171 @@ class QwenMTPSession(BaseDrafterSession):
             **self.adapt.stats(),
             "hidden_gaps": self.gaps,
             "head_context_from": self.cached,
+            "batched": self.batched,
             "mtp": dict(self.d.info),
         }
+
+
+class QwenMTPBatch:
+    """The head caches of a :class:`specdec.Batch`'s rows as one ``BatchKVCache`` per MTP
+    layer (a :class:`specdec.roles.DrafterBatch`).
+
+    ``propose``: every row's pending pairs (asking or not) in one right-padded head call,
+    the padding dropped per row (``batch_kv``); then, from each asking row's seed, one
+    head call per recursion step for all rows, its ``depth - 1`` recursive entries
+    dropped by one uniform trim (every row got as many). The rows' bookkeeping stays in
+    their :class:`QwenMTPSession` objects.
+    """
+
+    def __init__(self, drafter: QwenMTPDrafter, ctx: BatchContext) -> None:
+        self.d = drafter
+        self.module = drafter.module
+        self.rows: list[int] = []
+        self.sessions: dict[int, QwenMTPSession] = {}
+        self.cache: list | None = None
+        self.calls = 0  # head calls run (each for every row), for tests and stats
+        self.joint_rounds = 0  # rounds in which two rows or more drafted in the same calls
+
+    def join(self, row: int, session: QwenMTPSession) -> None:
+        """The row's head cache becomes a row of the batch's."""
+        merged = [type(c).merge([c]) for c in session.cache]
+        mx.eval([c.state for c in merged])
+        if self.cache is None:
+            self.cache = merged
+        else:
+            for c, o in zip(self.cache, merged):
+                c.extend(o)
+        session.cache = []
+        session.batched = True
+        self.rows.append(row)
+        self.sessions[row] = session
+
+    def leave(self, rows: Sequence[int]) -> None:
+        """Drop the rows' entries (mlx-lm's ``filter``)."""
+        gone = set(rows)
+        keep = [i for i, r in enumerate(self.rows) if r not in gone]
+        for r in gone & set(self.rows):
+            del self.sessions[r]
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None
+        elif self.cache is not None:
+            for c in self.cache:
+                c.filter(keep)
+
+    def _catch_up(self, upto: dict[int, int]) -> None:
+        """Feed every row its pending pairs up to ``upto[row]`` (the most it can where
+        absent), in one right-padded head call."""
+        feeds: list[tuple[mx.array, mx.array] | None] = []
+        for r in self.rows:
+            s = self.sessions[r]
+            last = upto.get(r, min(len(s.tokens) - 2, s.fed + s.pending_n - 1))
+            feeds.append(s.pairs(last) if last >= s.fed else None)
+        width = max((f[0].shape[0] for f in feeds if f is not None), default=0)
+        if width == 0:
+            return
+        some = next(f for f in feeds if f is not None)[0]
+        hid, emb, lengths = [], [], []
+        for f in feeds:
+            n = 0 if f is None else f[0].shape[0]
+            lengths.append(n)
+            pad = mx.zeros((width - n, some.shape[-1]), dtype=some.dtype)
+            hid.append(pad if f is None else mx.concatenate([f[0], pad]))
+            emb.append(
+                pad.astype(some.dtype)
+                if f is None
+                else mx.concatenate([f[1], pad.astype(f[1].dtype)])
+            )
+        txns = [BatchKVRollback().begin(c) for c in self.cache]
+        out = self.module(mx.stack(emb), mx.stack(hid), self.cache)
+        for t in txns:
+            t.commit(width, lengths)
+        self.calls += 1
+        for i, (r, n) in enumerate(zip(self.rows, lengths)):
+            if n:
+                self.sessions[r].fed_pairs(n, out[i, n - 1 : n])
+
+    def propose(self, asks: Sequence[Ask], caches: list) -> list[Draft | None]:
+        """Catch every row up, then draft each asking row's ``min(max_len, depth)`` tokens
+        together (lazily); the target's ``caches`` are not read."""
+        want: dict[int, tuple[Ask, int]] = {}
+        for a in asks:
+            s = self.sessions[a.row]
+            k, n = min(a.max_len, s.depth), len(a.history)
+            if k < 1 or s.broken or n < 2:
+                continue
+            if len(s.tokens) != n:
+                s.tokens = list(a.history)
+            want[a.row] = (a, k)
+        self._catch_up({r: len(a.history) - 2 for r, (a, _) in want.items()})
+        ready = {
+            r: (a, k)
+            for r, (a, k) in want.items()
+            if self.sessions[r].fed == len(a.history) - 1 and self.sessions[r].seed is not None
+        }
+        drafts: dict[int, Draft] = {}
+        if ready:
+            drafts = self._draft(ready)
+        return [drafts.get(a.row) for a in asks]
+
+    def _draft(self, ready: dict[int, tuple[Ask, int]]) -> dict[int, Draft]:
+        """The recursion for the rows in ``ready`` (every row of the cache steps)."""
+        steps = max(k for _, k in ready.values())
+        self.joint_rounds += len(ready) > 1
+        state = []
+        for r in self.rows:
+            s = self.sessions[r]
+            state.append(
+                s.seed if r in ready else mx.zeros_like(next(iter(ready.values()))[0].session.seed)
+            )
+        state_b = mx.concatenate(state)  # [B, H]
+        tokens: dict[int, list] = {r: [] for r in ready}
+        qs: dict[int, list] = {r: [] for r in ready}
+        pad = mx.zeros((1,), mx.int32)
+        for i in range(steps):
+            if i:
+                y = mx.concatenate([tokens[r][-1] if r in ready else pad for r in self.rows])
+                emb = self.sessions[next(iter(ready))].embed(y)
+                state_b = self.module(emb[:, None], state_b[:, None], self.cache)[:, 0]
+                self.calls += 1
+            for b, r in enumerate(self.rows):
+                if r not in ready or i >= ready[r][1]:
+                    continue
+                a, _ = ready[r]
+                s = self.sessions[r]
+                logits = s.head.logits(state_b[b : b + 1], context=a.history)
+                greedy = s.sampler.is_greedy or self.d.sampled_drafts == "greedy"
+                if greedy:
+                    y_r = mx.argmax(logits, axis=-1)
+                else:
+                    qs[r].append(s.sampler.probs(logits)[0])
+                    y_r = s.sampler.sample_lazy(logits, len(a.history) + i, STREAM_DRAFT)
+                tokens[r].append(y_r.astype(mx.int32))
+            mx.async_eval([t[-1] for t in tokens.values()])
+        if steps > 1:
+            for c in self.cache:  # the recursive entries were built from guesses
+                c.trim(steps - 1)
+        out = {}
+        for r, (a, k) in ready.items():
+            s = self.sessions[r]
+            s.last = (len(a.history), k)
+            s.rounds += 1
+            s.proposed += k
+            probs = mx.stack(qs[r]) if qs[r] else None
+            out[r] = Draft(tokens=mx.concatenate(tokens[r]), probs=probs)
+        return out
+
+    def observe(self, results: dict[int, RoundResult]) -> None:
+        """Rows whose pending hidden rows passed the bound are caught up (rounds other
+        drafters won); the sessions take the round's rows themselves."""
+        if any(self.sessions[r].pending_n > _MAX_PENDING for r in self.rows):
+            self._catch_up({})
+            mx.async_eval([c.state for c in self.cache])
+
+    def end(self) -> None:
+        """Drop the head caches."""
+        self.cache = None
+        self.rows, self.sessions = [], {}
 
 
 def create_qwen_mtp(**options: Any) -> QwenMTPDrafter:

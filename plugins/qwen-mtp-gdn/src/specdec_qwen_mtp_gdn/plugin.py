@@ -36,6 +36,7 @@ def specdec_register_drafters(register):
             "checkpoint (options: mtp_path, depth, max_depth, adaptive, head)."
         ),
         needs={"hidden"},
+        supports_batch=True,
     )
 
 
