@@ -620,7 +620,10 @@ class Batch:
             # The drafter earliest in the policy first: a row only moves on to later
             # drafters, so each batch state is asked once per round, with every row
             # that reaches it.
-            name = min((ask.drafter for _, ask in waiting.values()), key=order.__getitem__)
+            name = min(
+                (ask.drafter for _, ask in waiting.values()),
+                key=lambda d: order.get(d, len(order)),
+            )
             rows = [i for i, (_, ask) in waiting.items() if ask.drafter == name]
             asks = [attrs.evolve(waiting[i][1], index=i) for i in rows]
             answers = self._propose(name, asks)

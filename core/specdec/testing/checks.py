@@ -223,10 +223,14 @@ def check_batch_identity(
     seed: int = 0,
     tokenizer: Any = None,
     require_drafts: bool = True,
+    against: str = "plain",
     **generate_kwargs: Any,
 ) -> dict:
     """Assert each row of a batched run under ``policy`` equals that prompt run alone
-    with plain decoding (the ``none`` policy, :meth:`~specdec.Pipeline.generate`).
+    with plain decoding (the ``none`` policy, :meth:`~specdec.Pipeline.generate`), or,
+    with ``against="policy"``, with ``policy`` itself (sampled rows of a drafter with
+    ``q``: rejection sampling keeps the target's distribution, not the plain run's
+    tokens, so a row is compared with the same request decoded alone).
 
     ``max_tokens`` may give one value per prompt (rows then leave the batch at
     different rounds); ``max_rows`` below ``len(prompts)`` makes waiting prompts join
@@ -247,12 +251,15 @@ def check_batch_identity(
     """
     from ..bench.runner import first_divergence
 
+    if against not in ("plain", "policy"):
+        raise ValueError(f"against must be 'plain' or 'policy', got {against!r}")
     plain, spec = _pipes(model, policy, tokenizer)
     prompts = [list(p) for p in prompts]
     mts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     assert len(mts) == len(prompts), "give one max_tokens per prompt"
     kw = dict(temperature=temperature, seed=seed, **generate_kwargs)
-    refs = [plain.generate(p, max_tokens=mt, **kw) for p, mt in zip(prompts, mts)]
+    ref_pipe = plain if against == "plain" else spec
+    refs = [ref_pipe.generate(p, max_tokens=mt, **kw) for p, mt in zip(prompts, mts)]
     batch = spec.batch(len(prompts) if max_rows is None else max_rows)
     ids = {batch.add(p, max_tokens=mt, **kw): i for i, (p, mt) in enumerate(zip(prompts, mts))}
     got: list[list[int]] = [[] for _ in prompts]
@@ -277,9 +284,9 @@ def check_batch_identity(
             gap = d["plain_top2_gap"]
             if temperature > 0 or gap is None or gap > BATCH_TIE_GAP:
                 raise AssertionError(
-                    f"row {i} of the batch differs from the prompt run alone with plain "
+                    f"row {i} of the batch differs from the prompt run alone with {against} "
                     f"decoding at token {d['position']} (plain top-two logit gap there: "
-                    f"{gap}):\n  plain: {ref.tokens}\n  batch: {toks}"
+                    f"{gap}):\n  {against}: {ref.tokens}\n  batch: {toks}"
                 )
             ties.append({"row": i, "position": d["position"], "plain_top2_gap": gap})
         else:

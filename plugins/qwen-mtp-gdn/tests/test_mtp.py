@@ -20,6 +20,7 @@ from specdec.testing import (
     check_sampled_distribution,
     check_sampled_identity,
     plain_greedy,
+    plugin_host,
 )
 from specdec.testing import greedy_sequences as sequences
 from specdec_qwen_mtp_gdn.checkpoint import save_hf_checkpoint
@@ -472,10 +473,71 @@ def test_batch_rows_mixed_with_copy_drafts(trained):
 
 def test_sampled_batch_rows_equal_the_same_policy_alone(trained):
     model, _, seqs = trained("qwen3_5")
-    pipe = specdec.assemble(model, policy=MTP)
     prompts = [seqs[1][:8], seqs[3][:6], seqs[4][:10]]
-    kw = dict(max_tokens=20, temperature=0.7, seed=3)
-    alone = [pipe.generate(p, **kw).tokens for p in prompts]
-    rows = pipe.generate_batch(prompts, **kw)
-    assert [r.tokens for r in rows] == alone
-    assert sum(r.stats.accepted for r in rows) > 0
+    kw = dict(max_tokens=20, temperature=0.7, seed=3, against="policy")
+    assert check_batch_identity(model, MTP, prompts, max_rows=2, **kw)["accepted"] > 0
+
+
+def test_a_failing_draft_step_leaves_the_other_rows_head_caches_as_they_were(trained):
+    """The head raising in a recursion step while only one row drafts: that row fails,
+    the other keeps a head cache that holds exactly what it was fed (no guessed entry),
+    round after round."""
+    model, _, seqs = trained("qwen3_5")
+    armed = {"row": None}
+
+    class Gov(specdec.BaseGovernor):
+        name = "quiet"
+        supports_batch = True
+
+        def session(self, ctx):
+            class S(specdec.BaseGovernorSession):
+                n = 0
+
+                def budget(self, drafter, max_len):
+                    self.n += 1
+                    if ctx.row == 1 and self.n == 3:  # row 1 does not draft this round
+                        armed["row"] = 0
+                        return 0
+                    return max_len
+
+            return S()
+
+    class Plugin:
+        @specdec.hookimpl
+        def specdec_register_governors(self, register):
+            register("quiet", Gov)
+
+    with plugin_host(Plugin()) as host:
+        pol = specdec.Policy(
+            name="mtp-quiet", drafters=("qwen_mtp",), verifier="hidden", governor="quiet"
+        )
+        pipe = specdec.assemble(model, policy=pol, host=host)
+        head = pipe.heads["qwen_mtp"]
+        real = head.logits
+        calls = {"n": 0}
+
+        def flaky(h, context=None):
+            if armed["row"] is not None:
+                calls["n"] += 1
+                if calls["n"] == 2:  # the second draft step of the armed round
+                    armed["row"] = None
+                    raise RuntimeError("head failed")
+            return real(h, context=context)
+
+        head.logits = flaky
+        batch = pipe.batch(2)
+        a = batch.add(seqs[0][:8], max_tokens=24)
+        b = batch.add(seqs[2][:8], max_tokens=24)
+        state = batch._drafting["qwen_mtp"]
+        errors, stats = {}, {}
+        while len(batch):
+            for ev in batch.step():
+                if ev.error is not None:
+                    errors[ev.row] = ev.error
+                elif ev.response.stats is not None:
+                    stats[ev.row] = ev.response.stats
+            if b in state.sessions:
+                s, i = state.sessions[b], state.rows.index(b)
+                assert int(state.cache[0].offset[i].item()) == s.fed - s.cached
+    assert list(errors) == [a] and "head failed" in str(errors[a].__cause__)
+    assert stats[b].accepted > 0

@@ -415,9 +415,14 @@ class QwenMTPBatch:
                 else mx.concatenate([f[1], pad.astype(f[1].dtype)])
             )
         txns = [BatchKVRollback().begin(c) for c in self.cache]
-        out = self.module(mx.stack(emb), mx.stack(hid), self.cache)
-        for t in txns:
-            t.commit(width, lengths)
+        try:
+            out = self.module(mx.stack(emb), mx.stack(hid), self.cache)
+            for t in txns:
+                t.commit(width, lengths)
+        except BaseException:
+            for t in txns:
+                t.abort()
+            raise
         self.calls += 1
         for i, (r, n) in enumerate(zip(self.rows, lengths)):
             if n:
@@ -460,29 +465,36 @@ class QwenMTPBatch:
         tokens: dict[int, list] = {r: [] for r in ready}
         qs: dict[int, list] = {r: [] for r in ready}
         pad = mx.zeros((1,), mx.int32)
-        for i in range(steps):
-            if i:
-                y = mx.concatenate([tokens[r][-1] if r in ready else pad for r in self.rows])
-                emb = self.sessions[next(iter(ready))].embed(y)
-                state_b = self.module(emb[:, None], state_b[:, None], self.cache)[:, 0]
-                self.calls += 1
-            for b, r in enumerate(self.rows):
-                if r not in ready or i >= ready[r][1]:
-                    continue
-                a, _ = ready[r]
-                s = self.sessions[r]
-                logits = s.head.logits(state_b[b : b + 1], context=a.history)
-                greedy = s.sampler.is_greedy or self.d.sampled_drafts == "greedy"
-                if greedy:
-                    y_r = mx.argmax(logits, axis=-1)
-                else:
-                    qs[r].append(s.sampler.probs(logits)[0])
-                    y_r = s.sampler.sample_lazy(logits, len(a.history) + i, STREAM_DRAFT)
-                tokens[r].append(y_r.astype(mx.int32))
-            mx.async_eval([t[-1] for t in tokens.values()])
-        if steps > 1:
-            for c in self.cache:  # the recursive entries were built from guesses
-                c.trim(steps - 1)
+        # The recursive entries were built from guesses: every row drops all of them
+        # (one uniform trim), also when a step raises.
+        txns = [BatchKVRollback().begin(c) for c in self.cache]
+        try:
+            for i in range(steps):
+                if i:
+                    y = mx.concatenate([tokens[r][-1] if r in ready else pad for r in self.rows])
+                    emb = self.sessions[next(iter(ready))].embed(y)
+                    state_b = self.module(emb[:, None], state_b[:, None], self.cache)[:, 0]
+                    self.calls += 1
+                for b, r in enumerate(self.rows):
+                    if r not in ready or i >= ready[r][1]:
+                        continue
+                    a, _ = ready[r]
+                    s = self.sessions[r]
+                    logits = s.head.logits(state_b[b : b + 1], context=a.history)
+                    greedy = s.sampler.is_greedy or self.d.sampled_drafts == "greedy"
+                    if greedy:
+                        y_r = mx.argmax(logits, axis=-1)
+                    else:
+                        qs[r].append(s.sampler.probs(logits)[0])
+                        y_r = s.sampler.sample_lazy(logits, len(a.history) + i, STREAM_DRAFT)
+                    tokens[r].append(y_r.astype(mx.int32))
+                mx.async_eval([t[-1] for t in tokens.values()])
+        except BaseException:
+            for t in txns:
+                t.abort()
+            raise
+        for t in txns:
+            t.commit(steps - 1, 0)
         out = {}
         for r, (a, k) in ready.items():
             s = self.sessions[r]
