@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..capture import model_taps
-from ..drafting import draft_lazily
+from ..drafting import BatchRows, draft_lazily, draw
 from ..errors import ModelLoadError, PolicyError
 from ..heads import model_vocab_size
 from ..options import Option, Options, non_empty
@@ -39,7 +39,6 @@ from ..roles import (
     optional,
 )
 from ..rollback import build_plan
-from ..sampling import STREAM_DRAFT
 
 #: The options of ``draft_model``.
 OPTIONS = Options(
@@ -226,7 +225,7 @@ class DraftModelSession(BaseDrafterSession):
         return out
 
 
-class DraftModelBatch:
+class DraftModelBatch(BatchRows):
     """The draft caches of a :class:`specdec.Batch`'s rows as one mlx-lm batch cache.
 
     A round's asks are drafted together: the first step feeds every row what its draft
@@ -236,6 +235,7 @@ class DraftModelBatch:
     """
 
     def __init__(self, drafter: DraftModelDrafter, ctx: BatchContext):
+        super().__init__()
         self.drafter = drafter
         self.model = drafter.model
         self.k = drafter.num_draft_tokens
@@ -255,10 +255,8 @@ class DraftModelBatch:
                 "attention only (KVCache layers) draft for rows of a batch"
             )
         self.host = ctx.host
-        self.rows: list[int] = []  # row ids, in the order of the cache's rows
         self.sessions: dict[int, DraftModelSession] = {}
         self.history: dict[int, list[int]] = {}  # each row's prompt + committed tokens
-        self.caches: list | None = None
         self.plan: Any = None
         self.pending: tuple | None = None  # the open round's step transaction and blocks
         self.backbone: Any = None
@@ -271,33 +269,21 @@ class DraftModelBatch:
             rest = session.prompt[session.fed : -1]
             self.model(mx.array(rest)[None], cache=session.cache)
             session.fed += len(rest)
-        merged = [type(c).merge([c]) for c in session.cache]
-        mx.eval([c.state for c in merged])
-        if self.caches is None:
-            self.caches = merged
+        self.add_row(row, session.cache)
+        if self.plan is None:
             self.plan = build_plan(self.host, self.caches, model=self.model)
-        else:
-            for c, o in zip(self.caches, merged):
-                c.extend(o)
         session.cache = None
         session.batched = True
-        self.rows.append(row)
         self.sessions[row] = session
         self.history[row] = session.prompt[: session.fed + 1]
 
     def leave(self, rows: Sequence[int]) -> None:
         """Drop the rows' entries (mlx-lm's ``filter``)."""
-        gone = set(rows)
-        keep = [i for i, r in enumerate(self.rows) if r not in gone]
-        for r in gone & set(self.rows):
+        for r in self.drop_rows(rows):
             del self.sessions[r], self.history[r]
-        self.rows = [self.rows[i] for i in keep]
         self.pending = None
-        if not self.rows:
-            self.caches = self.plan = None
-        elif self.caches is not None:
-            for c in self.caches:
-                c.filter(keep)
+        if self.caches is None:
+            self.plan = None
 
     def propose(self, asks: Sequence[Ask], caches: list) -> list[Draft | None]:
         """Draft every ask's block together, lazily (one forward per draft step); the
@@ -341,13 +327,12 @@ class DraftModelBatch:
                 for i, (a, n) in want.items():
                     if step >= n:
                         continue
-                    row = logits[i : i + 1]
                     sampler = a.session.sampler
-                    if sampler.is_greedy:
-                        y_i = mx.argmax(row, axis=-1)
-                    else:
-                        qs[i].append(sampler.probs(row)[0])
-                        y_i = sampler.sample_lazy(row, len(a.history) + step, STREAM_DRAFT)
+                    y_i, q = draw(
+                        logits[i : i + 1], sampler, len(a.history) + step, greedy=sampler.is_greedy
+                    )
+                    if q is not None:
+                        qs[i].append(q)
                     drawn[i].append(y_i.astype(mx.int32))
                 mx.async_eval([d[-1] for d in drawn.values()])
         except BaseException:

@@ -538,6 +538,6 @@ def test_a_failing_draft_step_leaves_the_other_rows_head_caches_as_they_were(tra
                     stats[ev.row] = ev.response.stats
             if b in state.sessions:
                 s, i = state.sessions[b], state.rows.index(b)
-                assert int(state.cache[0].offset[i].item()) == s.fed - s.cached
+                assert int(state.caches[0].offset[i].item()) == s.fed - s.cached
     assert list(errors) == [a] and "head failed" in str(errors[a].__cause__)
     assert stats[b].accepted > 0

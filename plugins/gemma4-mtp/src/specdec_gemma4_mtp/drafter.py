@@ -42,9 +42,9 @@ from specdec import (
     RoundResult,
 )
 from specdec.depth import AdaptiveDepth
+from specdec.drafting import draw
 from specdec.options import Option, Options
 from specdec.roles import Ask, BatchContext
-from specdec.sampling import STREAM_DRAFT
 
 from .assistant import AssistantLoadError
 from .checkpoint import load_assistant
@@ -411,16 +411,12 @@ class Gemma4MTPBatch:
             self.calls += 1
             drawn = []
             for j, (a, s, k) in enumerate(ready):
-                row = logits[j : j + 1]
                 greedy = s.sampler.is_greedy or self.d.sampled_drafts == "greedy"
-                if greedy:
-                    y_j = mx.argmax(row, axis=-1)
-                else:
-                    if i < k:
-                        qs[j].append(s.sampler.probs(row)[0])
-                    y_j = s.sampler.sample_lazy(row, len(a.history) + i, STREAM_DRAFT)
-                if i < k:
+                y_j, q = draw(logits[j : j + 1], s.sampler, len(a.history) + i, greedy=greedy)
+                if i < k:  # past its depth a row's draws only feed the shared steps
                     tokens[j].append(y_j)
+                    if q is not None:
+                        qs[j].append(q)
                 drawn.append(y_j)
             y = mx.concatenate(drawn)
             mx.async_eval(y)

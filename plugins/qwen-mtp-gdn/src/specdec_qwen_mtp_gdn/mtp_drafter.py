@@ -43,10 +43,10 @@ from specdec import (
     RoundResult,
 )
 from specdec.depth import AdaptiveDepth
+from specdec.drafting import BatchRows, draw
 from specdec.options import Option, Options, non_empty
 from specdec.roles import Ask, BatchContext
 from specdec.rollback import BatchKVRollback
-from specdec.sampling import STREAM_DRAFT
 
 from .mtp import MTPLoadError, load_mtp, text_model
 
@@ -344,7 +344,7 @@ class QwenMTPSession(BaseDrafterSession):
         }
 
 
-class QwenMTPBatch:
+class QwenMTPBatch(BatchRows):
     """The head caches of a :class:`specdec.Batch`'s rows as one ``BatchKVCache`` per MTP
     layer (a :class:`specdec.roles.DrafterBatch`).
 
@@ -356,40 +356,24 @@ class QwenMTPBatch:
     """
 
     def __init__(self, drafter: QwenMTPDrafter, ctx: BatchContext) -> None:
+        super().__init__()
         self.d = drafter
         self.module = drafter.module
-        self.rows: list[int] = []
         self.sessions: dict[int, QwenMTPSession] = {}
-        self.cache: list | None = None
         self.calls = 0  # head calls run (each for every row), for tests and stats
         self.joint_rounds = 0  # rounds in which two rows or more drafted in the same calls
 
     def join(self, row: int, session: QwenMTPSession) -> None:
         """The row's head cache becomes a row of the batch's."""
-        merged = [type(c).merge([c]) for c in session.cache]
-        mx.eval([c.state for c in merged])
-        if self.cache is None:
-            self.cache = merged
-        else:
-            for c, o in zip(self.cache, merged):
-                c.extend(o)
+        self.add_row(row, session.cache)
         session.cache = []
         session.batched = True
-        self.rows.append(row)
         self.sessions[row] = session
 
     def leave(self, rows: Sequence[int]) -> None:
         """Drop the rows' entries (mlx-lm's ``filter``)."""
-        gone = set(rows)
-        keep = [i for i, r in enumerate(self.rows) if r not in gone]
-        for r in gone & set(self.rows):
+        for r in self.drop_rows(rows):
             del self.sessions[r]
-        self.rows = [self.rows[i] for i in keep]
-        if not self.rows:
-            self.cache = None
-        elif self.cache is not None:
-            for c in self.cache:
-                c.filter(keep)
 
     def _catch_up(self, upto: dict[int, int]) -> None:
         """Feed every row its pending pairs up to ``upto[row]`` (the most it can where
@@ -414,9 +398,9 @@ class QwenMTPBatch:
                 if f is None
                 else mx.concatenate([f[1], pad.astype(f[1].dtype)])
             )
-        txns = [BatchKVRollback().begin(c) for c in self.cache]
+        txns = [BatchKVRollback().begin(c) for c in self.caches]
         try:
-            out = self.module(mx.stack(emb), mx.stack(hid), self.cache)
+            out = self.module(mx.stack(emb), mx.stack(hid), self.caches)
             for t in txns:
                 t.commit(width, lengths)
         except BaseException:
@@ -467,13 +451,13 @@ class QwenMTPBatch:
         pad = mx.zeros((1,), mx.int32)
         # The recursive entries were built from guesses: every row drops all of them
         # (one uniform trim), also when a step raises.
-        txns = [BatchKVRollback().begin(c) for c in self.cache]
+        txns = [BatchKVRollback().begin(c) for c in self.caches]
         try:
             for i in range(steps):
                 if i:
                     y = mx.concatenate([tokens[r][-1] if r in ready else pad for r in self.rows])
                     emb = self.sessions[next(iter(ready))].embed(y)
-                    state_b = self.module(emb[:, None], state_b[:, None], self.cache)[:, 0]
+                    state_b = self.module(emb[:, None], state_b[:, None], self.caches)[:, 0]
                     self.calls += 1
                 for b, r in enumerate(self.rows):
                     if r not in ready or i >= ready[r][1]:
@@ -482,11 +466,9 @@ class QwenMTPBatch:
                     s = self.sessions[r]
                     logits = s.head.logits(state_b[b : b + 1], context=a.history)
                     greedy = s.sampler.is_greedy or self.d.sampled_drafts == "greedy"
-                    if greedy:
-                        y_r = mx.argmax(logits, axis=-1)
-                    else:
-                        qs[r].append(s.sampler.probs(logits)[0])
-                        y_r = s.sampler.sample_lazy(logits, len(a.history) + i, STREAM_DRAFT)
+                    y_r, q = draw(logits, s.sampler, len(a.history) + i, greedy=greedy)
+                    if q is not None:
+                        qs[r].append(q)
                     tokens[r].append(y_r.astype(mx.int32))
                 mx.async_eval([t[-1] for t in tokens.values()])
         except BaseException:
@@ -510,11 +492,11 @@ class QwenMTPBatch:
         drafters won); the sessions take the round's rows themselves."""
         if any(self.sessions[r].pending_n > _MAX_PENDING for r in self.rows):
             self._catch_up({})
-            mx.async_eval([c.state for c in self.cache])
+            mx.async_eval([c.state for c in self.caches])
 
     def end(self) -> None:
         """Drop the head caches."""
-        self.cache = None
+        self.caches = None
         self.rows, self.sessions = [], {}
 
 
