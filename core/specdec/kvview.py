@@ -5,7 +5,8 @@ the keys and values a query at the next position attends to (besides its own),
 oldest first, for plain (``KVCache``), quantized (``QuantizedKVCache``,
 dequantized) and rotating (``RotatingKVCache``, also after the window wrapped)
 caches. Layers whose cache holds no K/V (recurrent ``ArraysCache`` layers,
-composites) get ``None``.
+composites) get ``None``. :func:`kv_rows` reads rows of a batch's caches
+(``BatchKVCache``, ``BatchRotatingKVCache``) with a mask of each row's entries.
 
 The arrays are new array objects (slices or reorderings of the buffers), so
 writing to them cannot change the cache, and a later cache update cannot
@@ -88,6 +89,35 @@ def kv_view(cache: Any, *, full_window: bool = False) -> KVView | None:
         o = cache.offset
         return KVView(keys[..., :o, :], cache.values[..., :o, :], o, o, tuple(range(o)))
     return None
+
+
+def kv_rows(cache: Any, rows: mx.array, *, window: int | None = None) -> tuple | None:
+    """``(keys, values, mask)`` of ``rows`` of a batch cache, for queries that add no key
+    of their own: keys and values ``[R, kv_heads, S, head_dim]`` (a wrapped ring laid out
+    in temporal order), ``mask`` ``[R, 1, 1, S]`` (boolean), true on the row's entries
+    (past its left padding; with ``window``, only the last ``window`` slots). A
+    ``BatchKVCache`` row's entries are in no particular order (its rollback moves a few;
+    attention does not depend on it). ``None`` for a cache of another type.
+    """
+    t = type(cache)
+    if t is mlx_cache.BatchKVCache:
+        keys, values = cache.keys[..., : cache._idx, :], cache.values[..., : cache._idx, :]
+    elif t is mlx_cache.BatchRotatingKVCache:
+        keys, values = cache.keys, cache.values
+        if cache.rotated:
+            keys = mx.roll(keys, -cache._idx, 2)
+            values = mx.roll(values, -cache._idx, 2)
+        else:
+            keys, values = keys[..., : cache._idx, :], values[..., : cache._idx, :]
+    else:
+        return None
+    keys, values = keys[rows], values[rows]
+    size = keys.shape[2]
+    slot = mx.arange(size)[None, :]
+    valid = slot >= mx.maximum(cache.left_padding[rows], 0)[:, None]
+    if window is not None:
+        valid = valid & (slot >= size - window)
+    return keys, values, valid[:, None, None, :]
 
 
 def kv_views(caches: list, *, full_window: bool = False) -> list[KVView | None]:

@@ -312,40 +312,6 @@ class Gemma4MTPSession(BaseDrafterSession):
         }
 
 
-def _row_kv(cache: Any, rows: mx.array, window: int | None) -> tuple:
-    """The ``(keys, values, mask)`` of ``rows`` of a target batch cache: keys and values
-    ``[R, kv_heads, S, d]`` (a wrapped ring laid out in temporal order), ``mask``
-    ``[R, 1, 1, S]``, true where the row's entry is one a query that adds no key of its
-    own attends to (past its left padding; a sliding layer's last ``window`` slots).
-
-    Raises:
-        AssistantLoadError: the cache is not an mlx-lm batch cache of attention.
-    """
-    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
-
-    if type(cache) is BatchKVCache:
-        keys, values = cache.keys[..., : cache._idx, :], cache.values[..., : cache._idx, :]
-    elif type(cache) is BatchRotatingKVCache:
-        keys, values = cache.keys, cache.values
-        if cache.rotated:
-            keys = mx.roll(keys, -cache._idx, 2)
-            values = mx.roll(values, -cache._idx, 2)
-        else:
-            keys, values = keys[..., : cache._idx, :], values[..., : cache._idx, :]
-    else:
-        raise AssistantLoadError(
-            f"gemma4_mtp: a batch cache of the target is a {type(cache).__name__}, whose K/V "
-            "the assistant cannot read per row (it reads BatchKVCache and BatchRotatingKVCache)"
-        )
-    keys, values = keys[rows], values[rows]
-    size = keys.shape[2]
-    slot = mx.arange(size)[None, :]
-    valid = slot >= mx.maximum(cache.left_padding[rows], 0)[:, None]
-    if window is not None:
-        valid = valid & (slot >= size - window)
-    return keys, values, valid[:, None, None, :]
-
-
 class Gemma4MTPBatch:
     """The drafting rows of a :class:`specdec.Batch`, one assistant call per draft step
     for all of them (a :class:`specdec.roles.DrafterBatch`; no state of its own: the rows'
@@ -391,7 +357,14 @@ class Gemma4MTPBatch:
         for t in dict.fromkeys(self.types):
             donor = self.binding.donors[t]
             window = self.window if t == "sliding_attention" else None
-            keys, values, valid = _row_kv(caches[donor.layer], index, window)
+            view = specdec.kvview.kv_rows(caches[donor.layer], index, window=window)
+            if view is None:
+                raise AssistantLoadError(
+                    f"gemma4_mtp: the target's batch cache of layer {donor.layer} is a "
+                    f"{type(caches[donor.layer]).__name__}, whose K/V the assistant cannot read "
+                    "per row (it reads BatchKVCache and BatchRotatingKVCache)"
+                )
+            keys, values, valid = view
             kv[t], masks[t] = (keys, values), valid
         bonus = self.d.position_used == "bonus"
         position = mx.array([len(a.history) - (1 if bonus else 2) for a, _, _ in ready])
