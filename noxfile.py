@@ -1,7 +1,10 @@
 """nox sessions for specdec.
 
-    nox -s tests        core and every plugin installed editable, all tests
+    nox -s tests        core and every plugin installed editable, the core's tests
     nox -s plugin       per plugin: core + that plugin built as wheels, clean venv, its tests
+    nox -s everything   core and every plugin installed editable, every test (the core's
+                        and each plugin's; not a default session: CI runs each plugin's
+                        tests once, in its `plugin` session)
     nox -s install      what a user types: `pip install --find-links WHEELHOUSE
                         specdec-plugin-ngram` in a clean venv, then `specdec generate`
     nox -s lint         ruff check + ruff format --check + mypy (the core and plugin packages)
@@ -83,14 +86,27 @@ def _pip_wheel(session: nox.Session, dest: Path, folders: list[Path]) -> None:
     )
 
 
-@nox.session
-def tests(session: nox.Session) -> None:
-    """The core and every plugin (plugins/*, docs/examples/*) installed editable; all tests."""
+def _editable(session: nox.Session) -> None:
+    """The core and every plugin (plugins/*, docs/examples/*) installed editable."""
     args = ["-e", f".[{CORE_EXTRAS}]"]
     for p in _plugin_dirs():
         args += ["-e", _rel(p)]
     session.install(*args, *_external_test_requirements())
     session.run("specdec", "plugins", "--all")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The core's tests, with the core and every plugin installed editable (each plugin's
+    own tests run in its ``plugin`` session, from its wheel)."""
+    _editable(session)
+    _pytest(session, *_test_dirs()[:1])
+
+
+@nox.session
+def everything(session: nox.Session) -> None:
+    """Every test (the core's and each plugin's), everything installed editable."""
+    _editable(session)
     _pytest(session, *_test_dirs())
 
 

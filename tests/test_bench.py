@@ -1090,7 +1090,11 @@ def test_cli_batch_compares_the_policy_with_none_and_mlx_lm_batch_generate(capsy
         assert r["rows_identical"] == {"off": f"{b}/{b}", "on": f"{b}/{b}", "mlx-lm": f"{b}/{b}"}
         # the byte model's drafts are rejected; drafting in a batch is tested in test_batch.py
         assert r["tokens_per_forward"] >= 1.0 and 0.0 <= r["acceptance_rate"] <= 1.0
+        # the widths the batch fed its rows: every round with all b rows, none narrower
+        assert sum(r["widths"].values()) > 0 and all(int(w) >= 1 for w in r["widths"])
+        assert r["mean_width"] >= 1.0 and r["cut_tokens"] >= 0
     assert "| code-edit | 3 |" in err and "mlx-lm batch_generate" in err
+    assert "mean width (tokens cut)" in err
 
 
 @pytest.mark.parametrize(

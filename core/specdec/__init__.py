@@ -101,7 +101,7 @@ from .roles import (
 from .sampling import Sampler
 from .stats import Stats
 
-__version__ = "0.3.5"
+__version__ = "0.3.6"
 
 __all__ = [
     # building and running a pipeline

@@ -43,6 +43,7 @@ from . import round as phases
 from .attention import verify_attention
 from .composition import check_batch
 from .coordinate import Solo
+from .costs import best_width
 from .errors import PolicyError, RequestError
 from .lifecycle import (
     RequestState,
@@ -193,6 +194,14 @@ class Batch:
         #: rounds run (one target forward each) and their time, for servers' metrics.
         self.rounds = 0
         self.round_time_s = 0.0
+        #: ``{rows: {width: rounds}}``: the tokens fed per row in each round, by the rows
+        #: the round had (the batch's sizing, see :meth:`_size`).
+        self.widths: dict[int, dict[int, int]] = {}
+        #: the verify cost curves that size a round's blocks for the whole batch (the
+        #: pipeline's, when a drafter reads it; ``None``: blocks verified as proposed)
+        self._cost = pipeline.cost_model if pipeline.policy.batch_sizing == "width" else None
+        #: seconds a round costs beyond its forward (an average of the last rounds)
+        self._overhead_s = 0.0
         self._pending: deque[_Member] = deque()
         self._rows: list[_Member] = []
         self._caches: list | None = None
@@ -486,8 +495,11 @@ class Batch:
         with one keep count per row, observe and emit."""
         members = list(self._rows)
         failed: dict[int, BaseException] = {}
+        t_start = time.perf_counter()
         rounds = self._plan_rows(members, failed)
         width = max(r.n_fed for r in rounds)
+        by_width = self.widths.setdefault(len(members), {})
+        by_width[width] = by_width.get(width, 0) + 1
         rows = [
             [m.state.history[-1], *r.block] + [m.state.history[-1]] * (width - r.n_fed)
             for m, r in zip(members, rounds)
@@ -529,6 +541,8 @@ class Batch:
         t_done = time.perf_counter()
         self.rounds += 1
         self.round_time_s += t_done - t0
+        outside = (t_done - t_start) - (t_verify - t0)  # planning, acceptance, commit
+        self._overhead_s += 0.2 * (outside - self._overhead_s)
         events: list[BatchEvent] = []
         gone = []
         for i, (m, rnd, res) in enumerate(zip(members, rounds, results)):
@@ -643,14 +657,18 @@ class Batch:
             except Exception:  # noqa: BLE001 - settle names the row whose block raises
                 pass
         for i, (m, rnd) in enumerate(zip(members, rounds)):
+            if i not in failed and rnd.kind is RoundKind.SPECULATIVE:
+                try:
+                    phases.settle(rnd, m.state)
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed[i] = exc
+        self._size(members, rounds, failed)
+        for i, (m, rnd) in enumerate(zip(members, rounds)):
             try:
                 if i not in failed:
+                    phases.constrain(m.state, rnd)  # cut to the grammar, masks filled
                     if rnd.kind is RoundKind.SPECULATIVE:
-                        phases.constrain(m.state, rnd)  # cut to the grammar, masks filled
                         phases.count_block(m.state.stats, rnd)
-                        phases.settle(rnd, m.state)
-                    else:
-                        phases.constrain(m.state, rnd)  # a grammar's mask for its one row
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failed[i] = exc
             if i in failed and rnd.kind is RoundKind.SPECULATIVE:
@@ -659,6 +677,48 @@ class Batch:
             if rnd.kind is RoundKind.SPECULATIVE:
                 rnd.n_fed = 1 + len(rnd.block)
         return rounds
+
+    def _size(self, members: list[_Member], rounds: list[Round], failed: dict) -> None:
+        """Cut the blocks that carry acceptance estimates to the width that pays for the
+        batch as a whole (:func:`specdec.costs.best_width` over every row, with the
+        batch's verify cost curve): each row sized its block as if alone, but every row
+        is fed as many tokens as the widest. A block without estimates is kept whole
+        (the width is at least its); a row's other blocks count at the acceptance rate
+        its drafter has had so far."""
+        cm = self._cost
+        if cm is None or len(members) < 2 or self.off_reason is not None:
+            return
+        probs: list[Sequence[float]] = []
+        least, cuttable = 1, []
+        for i, (m, rnd) in enumerate(zip(members, rounds)):
+            k = rnd.block_size if i not in failed else 0
+            if not k:
+                probs.append(())
+            elif rnd.acceptance is not None:
+                probs.append(rnd.acceptance)
+                cuttable.append(i)
+            else:
+                least = max(least, 1 + k)
+                d = m.state.stats.per_drafter.get(rnd.chosen) or {}
+                rate = d.get("accepted", 0) / d["drafted"] if d.get("drafted") else 0.5
+                probs.append([rate] * k)
+        if not cuttable or max(len(probs[i]) for i in cuttable) < least:
+            return  # nothing may be cut, or nothing cut would narrow the forward
+        context = max(len(m.state.history) for m in members)
+        rows = len(members)
+        if cm.batch_cost(rows, 1, context) is None:  # no curve for this batch
+            return
+        choice = best_width(
+            probs,
+            lambda w: cm.batch_cost(rows, w, context) or 0.0,
+            overhead_s=self._overhead_s,
+            least=least,
+        )
+        for i in cuttable:
+            k = rounds[i].block_size
+            if k > choice.size:
+                phases.cut(rounds[i], choice.size)
+                members[i].state.stats.batch_cut += k - choice.size
 
     def _advance(
         self,

@@ -36,6 +36,7 @@ flat. So it is measured, not assumed:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -43,7 +44,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ __all__ = [
     "RoundOverhead",
     "VerifyCostCurve",
     "best_block",
+    "best_width",
     "cache_dir",
     "model_fingerprint",
     "profile_verify_cost",
@@ -92,6 +94,8 @@ class VerifyCostCurve:
         device: the device it was measured on.
         key: the cache key (model shapes, verifier, device, MLX version).
         profile_time_s: how long profiling took.
+        rows: the rows of each forward (1: one request; more: a batch's ``[rows,
+            width]`` forward, see :func:`profile_verify_cost`).
     """
 
     widths: tuple[int, ...]
@@ -100,6 +104,7 @@ class VerifyCostCurve:
     device: str = ""
     key: str = ""
     profile_time_s: float = 0.0
+    rows: int = 1
 
     def __attrs_post_init__(self) -> None:
         if not self.widths or not self.contexts:
@@ -154,6 +159,7 @@ class VerifyCostCurve:
             "device": self.device,
             "key": self.key,
             "profile_time_s": self.profile_time_s,
+            "rows": self.rows,
         }
 
     @classmethod
@@ -172,6 +178,7 @@ class VerifyCostCurve:
             device=str(d.get("device", "")),
             key=str(d.get("key", "")),
             profile_time_s=float(d.get("profile_time_s", 0.0)),
+            rows=int(d.get("rows", 1)),
         )
 
     def merged(self, other: VerifyCostCurve) -> VerifyCostCurve:
@@ -265,6 +272,7 @@ def profile_verify_cost(
     host: Any = None,
     progress: Callable[[int, int, str], None] | None = None,
     seed: int = 0,
+    rows: int = 1,
 ) -> VerifyCostCurve:
     """Time verify forwards of each width at each context length.
 
@@ -286,9 +294,13 @@ def profile_verify_cost(
         host: the plugin host for the rollback plan (default: the process-wide one).
         progress: called as ``progress(done, total, label)`` after each forward.
         seed: the seed of the random tokens.
+        rows: time forwards of ``rows`` rows at once, as a :class:`specdec.Batch` runs
+            them (``[rows, width]`` tokens through ``verifier.verify_batch`` over mlx-lm
+            batch caches holding ``rows`` copies of the context, rolled back through the
+            batch rollbacks): the curve of a batch of that many rows.
 
     Raises:
-        ValueError: empty or non-increasing widths or contexts, or repeats < 1.
+        ValueError: empty or non-increasing widths or contexts, or repeats or rows < 1.
         RuntimeError: the model's caches cannot be rolled back (nothing to profile with).
     """
     from .verifiers import LogitsVerifier
@@ -298,6 +310,8 @@ def profile_verify_cost(
         raise ValueError(f"widths must be increasing integers >= 1, got {widths}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
     limit = _max_positions(model)
     cs = sorted({min(int(c), limit - widths[-1] - 1) if limit else int(c) for c in contexts})
     cs = [c for c in cs if c >= 1]
@@ -313,14 +327,17 @@ def profile_verify_cost(
             progress(done[0], total, label)
 
     t_start = time.perf_counter()
-    rows = [_profile_context(model, verifier, c, widths, repeats, host, seed, tick) for c in cs]
+    cells = [
+        _profile_context(model, verifier, c, widths, repeats, host, seed, tick, rows) for c in cs
+    ]
     return VerifyCostCurve(
         widths=widths,
         contexts=tuple(cs),
-        seconds=tuple(rows),
+        seconds=tuple(cells),
         device=str(mx.default_device()),
         key=model_fingerprint(model, verifier),
         profile_time_s=time.perf_counter() - t_start,
+        rows=rows,
     )
 
 
@@ -333,14 +350,16 @@ def _profile_context(
     host: Any,
     seed: int,
     tick: Callable[[str], None],
+    rows: int = 1,
 ) -> tuple[float, ...]:
     """One row of the curve: the fastest verify forward of each width after ``ctx_len``
     random tokens (see :func:`profile_verify_cost`), made non-decreasing in the width
     by taking, for each width, the fastest forward of that width or a wider one."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import BatchRotatingKVCache, make_prompt_cache
 
     from .attention import verify_attention
     from .plugins import rollback_plan
+    from .rollback import order_for_block
 
     vocab = model_vocab_size(model) or 256
     caches = make_prompt_cache(model)
@@ -349,24 +368,39 @@ def _profile_context(
         with verify_attention():
             verifier.verify(model, prompt[s : s + 512], caches)
         mx.eval(_state(caches))
+    if rows > 1:  # the rows of a batch, each holding the same context
+        caches = [type(c).merge([c] * rows) for c in caches]
+        mx.eval(_state(caches))
+    ring = rows > 1 and any(isinstance(c, BatchRotatingKVCache) for c in caches)
     plan = rollback_plan(caches, model=model, host=host)
     if not plan.ok:
         raise RuntimeError(f"cannot profile verify cost: {plan.reason}")
     block = mx.random.randint(
         0, vocab, (widths[-1],), key=mx.random.key(seed * 1_000_003 + ctx_len + 1)
     )
+    if rows > 1:
+        block = mx.repeat(block[None], rows, axis=0)
     mx.eval(block)
     times: dict[int, list[float]] = {w: [] for w in widths}
     for rep in range(repeats + 1):
         order = widths if rep % 2 == 0 else tuple(reversed(widths))
         for w in order:
+            # A one-token step writes a sliding window's ring in place, which no
+            # rollback undoes: a batch's step is timed on a copy of the caches.
+            trial = copy.deepcopy(caches) if w == 1 and ring else caches
+            if rows > 1:
+                order_for_block(trial, w)
             txn = plan.begin()
             t0 = time.perf_counter()
             with verify_attention():
-                vr = verifier.verify(model, block[:w], caches)
+                if rows > 1:
+                    vr = verifier.verify_batch(model, block[:, :w], trial)
+                else:
+                    vr = verifier.verify(model, block[:w], trial)
             mx.eval(vr.logits)
             dt = time.perf_counter() - t0
             txn.abort()
+            del trial
             mx.eval(_state(caches))
             if rep > 0:
                 times[w].append(dt)
@@ -545,6 +579,8 @@ class CostModel:
         progress: see :func:`profile_verify_cost`; the default draws a progress
             line on stderr (redrawn on a terminal, a start and an end line otherwise).
         announce: draw that default progress line (``False``: profile silently).
+        batch_curves: with ``curve``, the curves of batches by their rows (a power of
+            two each, see :meth:`batch_curve`); without them a given curve prices no batch.
     """
 
     #: curves by key, shared by the pipelines of one process.
@@ -564,6 +600,7 @@ class CostModel:
         persist: bool = True,
         progress: Callable[[int, int, str], None] | None = None,
         announce: bool = True,
+        batch_curves: Mapping[int, VerifyCostCurve] | None = None,
     ) -> None:
         self.model = model
         self.verifier = verifier
@@ -584,6 +621,11 @@ class CostModel:
         self.longest_context = 0
         self.key = model_fingerprint(model, verifier) if curve is None else curve.key
         self._fingerprint = f"{self.key}-{'-'.join(map(str, self.widths))}"
+        #: the curves of batches, by rows (:meth:`batch_curve`)
+        self._batch: dict[int, VerifyCostCurve] = dict(batch_curves or {})
+        #: why a batch's curve could not be profiled (``None``: it could); batches then
+        #: verify the rows' blocks as proposed.
+        self.batch_failure: str | None = None
         #: what a drafted round costs beyond its forward, learnt from this pipeline's
         #: rounds (:meth:`observe_round`); kept in memory only (it follows the load).
         #: Pipelines compared side by side may share one (``specdec bench`` does).
@@ -592,7 +634,17 @@ class CostModel:
     @property
     def path(self) -> Path:
         """Where the curve is cached on disk."""
-        return (self.directory or cache_dir()) / "verify-cost" / f"{self._fingerprint}.json"
+        return self._path(1)
+
+    def _path(self, rows: int) -> Path:
+        return (self.directory or cache_dir()) / "verify-cost" / f"{self._key(rows)}.json"
+
+    def _key(self, rows: int) -> str:
+        return (
+            self._fingerprint
+            if rows == 1
+            else f"{self.key}-b{rows}-{'-'.join(map(str, self.widths))}"
+        )
 
     @property
     def loaded(self) -> bool:
@@ -622,6 +674,68 @@ class CostModel:
     def cost(self, width: int, context: int) -> float:
         """Seconds for a verify forward of ``width`` tokens at ``context`` (see the curve)."""
         return self.curve().cost(width, context)
+
+    def batch_curve(self, rows: int) -> VerifyCostCurve | None:
+        """The curve of forwards of ``rows`` rows (a power of two >= 2; 1 is
+        :meth:`curve`): given, in memory, on disk, else profiled now at this model's
+        contexts (once per model, device and batch size; cached like :meth:`curve`).
+
+        ``None`` when this cost model's curve was given without one for ``rows``, or
+        profiling failed (:attr:`batch_failure` says why; not tried again).
+        """
+        if rows == 1:
+            return self.curve()
+        if rows < 1 or rows & (rows - 1):
+            raise ValueError(f"batch curves are kept for powers of two, got rows={rows!r}")
+        got = self._batch.get(rows)
+        if got is not None:
+            return got
+        if self.source == "given" or self.batch_failure is not None:
+            return None
+        key = self._key(rows)
+        got = CostModel._memory.get(key)
+        if got is None and self.persist and self.persist_read:
+            try:
+                got = VerifyCostCurve.from_dict(json.loads(self._path(rows).read_text()))
+                if got.widths != self.widths or got.rows != rows:
+                    got = None
+            except (OSError, ValueError, KeyError, TypeError):
+                got = None  # missing, unreadable or stale: profile again
+        if got is None:
+            try:
+                got = self._profile(self.contexts, rows=rows)
+            except Exception as exc:  # no batch sizing; the rows' blocks as proposed
+                self.batch_failure = f"profiling {rows} rows: {type(exc).__name__}: {exc}"
+                return None
+            if self.persist:
+                _write_atomic(self._path(rows), json.dumps(got.to_dict(), indent=1))
+        CostModel._memory[key] = got
+        self._batch[rows] = got
+        return got
+
+    def batch_cost(self, rows: int, width: int, context: int) -> float | None:
+        """Seconds of a batch's verify forward: ``rows`` rows of ``width`` tokens each
+        after ``context`` tokens. Between the powers of two around ``rows`` the cost is
+        interpolated linearly in the rows (a batch of 3 reads the curves of 2 and 4;
+        profiling them when they are not at hand, see :meth:`batch_curve`).
+
+        Returns:
+            The seconds, or ``None`` when a curve it needs is not at hand.
+        """
+        if rows <= 1:
+            return self.cost(width, context)
+        hi = 1 << (rows - 1).bit_length()
+        upper = self.batch_curve(hi)
+        if upper is None:
+            return None
+        if hi == rows:
+            return upper.cost(width, context)
+        lo = hi // 2
+        lower = self.batch_curve(lo)
+        if lower is None:
+            return None
+        a, b = lower.cost(width, context), upper.cost(width, context)
+        return a + (rows - lo) / (hi - lo) * (b - a)
 
     def observe_round(
         self, kind: str, width: int, context: int, seconds: float, drafter: str | None = None
@@ -704,14 +818,16 @@ class CostModel:
             "widths": list(c.widths) if c else list(self.widths),
             "profile_time_s": c.profile_time_s if c else 0.0,
             "failure": self.failure,
+            "batch_rows": sorted(self._batch),
+            "batch_failure": self.batch_failure,
         }
 
     # -- helpers -------------------------------------------------------------------
 
-    def _profile(self, contexts: Sequence[int]) -> VerifyCostCurve:
+    def _profile(self, contexts: Sequence[int], rows: int = 1) -> VerifyCostCurve:
         progress = self.progress
         if progress is None and self.announce:
-            progress = _stderr_progress(self.path if self.persist else None)
+            progress = _stderr_progress(self._path(rows) if self.persist else None, rows)
         return profile_verify_cost(
             self.model,
             verifier=self.verifier,
@@ -720,6 +836,7 @@ class CostModel:
             repeats=self.repeats,
             host=self.host,
             progress=progress,
+            rows=rows,
         )
 
     def _set(self, curve: VerifyCostCurve, source: str, *, write: bool) -> None:
@@ -742,11 +859,12 @@ def _write_atomic(path: Path, text: str) -> None:
         pass
 
 
-def _stderr_progress(path: Path | None) -> Callable[[int, int, str], None]:
+def _stderr_progress(path: Path | None, rows: int = 1) -> Callable[[int, int, str], None]:
     """A :class:`~specdec.progress.Progress` bar on stderr: redrawn on a terminal; a
     first and a last line otherwise."""
     where = f"; cached in {path}" if path is not None else ""
-    head = f"specdec: profiling the verify cost on {mx.default_device()} (once{where})"
+    what = "the verify cost" if rows == 1 else f"the verify cost of a batch of {rows} rows"
+    head = f"specdec: profiling {what} on {mx.default_device()} (once{where})"
     bar: list[Progress] = []
 
     def draw(done: int, total: int, label: str) -> None:
@@ -818,6 +936,53 @@ def best_block(
             best = BlockChoice(k, expected, t, rate, rate / base if base > 0 else math.inf)
         if p <= 0.0:
             break
+    return best
+
+
+def best_width(
+    rows: Sequence[Sequence[float]],
+    cost: Callable[[int], float],
+    *,
+    overhead_s: float = 0.0,
+    least: int = 1,
+) -> BlockChoice:
+    """The width of a batch's verify forward with the most expected committed tokens
+    per second over all its rows.
+
+    Every row of a batch is fed as many tokens as the widest row, so a long block pays
+    only when the forward it widens pays for every row. Fed ``w`` tokens per row, row
+    ``r`` commits ``1 + sum_{i <= min(w - 1, k_r)} prod_{j <= i} rows[r][j - 1]`` tokens
+    on average (``k_r = len(rows[r])``, its block); the round costs ``cost(w) +
+    overhead_s``. Among equal rates the narrower width wins.
+
+    Args:
+        rows: per row, the acceptance estimates of its block's positions (as
+            :func:`best_block`'s ``accept``; empty: a row without a block).
+        cost: seconds of the batch's verify forward of ``w`` tokens per row.
+        overhead_s: host time per round outside the forward.
+        least: the narrowest width allowed (rows whose blocks may not be cut).
+
+    Returns:
+        A :class:`BlockChoice` whose ``size`` is the longest block the round keeps
+        (the width less one), ``gain`` the rate over that of a round of plain steps.
+    """
+    longest = max((len(r) for r in rows), default=0)
+    least = max(1, min(int(least), longest + 1))
+    survive = [[1.0] for _ in rows]  # survive[r][i]: the first i of row r all accepted
+    for r, probs in zip(survive, rows):
+        for a in probs:
+            r.append(r[-1] * min(max(float(a), 0.0), 1.0))
+    t1 = cost(1) + overhead_s
+    base = len(rows) / t1 if t1 > 0 else math.inf
+    best: BlockChoice | None = None
+    for w in range(least, longest + 2):
+        expected = sum(sum(s[1 : min(w, len(s))]) for s in survive) + len(rows)
+        t = cost(w) + overhead_s
+        rate = expected / t if t > 0 else math.inf
+        if best is None or rate > best.rate * (1.0 + 1e-9):
+            gain = rate / base if base > 0 else math.inf
+            best = BlockChoice(w - 1, expected, t, rate, gain)
+    assert best is not None
     return best
 
 

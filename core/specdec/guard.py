@@ -160,8 +160,8 @@ def check_ids(state: Any, name: str, block: tuple, position: int) -> None:
 
 def check_draft(state: Any, name: str, draft: Any, budget: int, position: int) -> None:
     """A draft as proposed: no longer than ``budget``; its ids in the vocabulary (a lazy
-    array: 1-D of an integer type, its values checked when read back); ``q`` of shape
-    ``[len(tokens), vocab_size]``.
+    array: 1-D of an integer type, its values checked when read back); ``acceptance``
+    one float in ``[0, 1]`` per token; ``q`` of shape ``[len(tokens), vocab_size]``.
 
     Raises:
         DraftError: naming what was wrong.
@@ -188,6 +188,17 @@ def check_draft(state: Any, name: str, draft: Any, budget: int, position: int) -
         )
     if isinstance(toks, tuple):
         check_ids(state, name, toks, position)
+    est = draft.acceptance
+    if est is not None and (
+        len(est) != k or not all(math.isfinite(a) and 0.0 <= a <= 1.0 for a in est)
+    ):
+        raise _bad_draft(
+            state,
+            name,
+            position,
+            f"acceptance must be {k} floats in [0, 1] (one per drafted token), got "
+            f"{list(est)[:8]}{' ...' if len(est) > 8 else ''} ({len(est)})",
+        )
     q = draft.probs
     if q is not None:
         shape = tuple(q.shape) if isinstance(q, mx.array) else None

@@ -176,6 +176,7 @@ class Pipeline:
         progress: Callable[[int, int, str], None] | None = None,
         *,
         context: int | None = None,
+        rows: int | None = None,
     ) -> None:
         """Do the one-off work before the first request: load the verify cost curve, or
         profile it (seconds, once per model and device; ``progress(done, total, label)``
@@ -185,11 +186,18 @@ class Pipeline:
         profiled that far now (once per machine, cached) where it has not been
         measured to half of it, instead of inside the first request that gets there
         (a server should not keep one request's first token waiting for it).
+
+        ``rows``: the most rows batches will have (:meth:`batch`). The curves of batches
+        of 2, 4, ... rows up to the power of two at or above it are loaded or profiled
+        now, instead of in the first round of a batch that size (they size the blocks
+        of a batch's rows, :func:`specdec.costs.best_width`).
         """
         if context is not None and (
             isinstance(context, bool) or not isinstance(context, int) or context < 1
         ):
             raise RequestError(f"context must be an integer >= 1, got {context!r}")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise RequestError(f"rows must be an integer >= 1, got {rows!r}")
         if self.cost_model is None:
             return
         if progress is not None:
@@ -199,6 +207,10 @@ class Pipeline:
         if context is not None:
             self.cost_model.note_context(context)
             self.cost_model.refresh()
+        n = 2
+        while rows is not None and n < 2 * rows:
+            self.cost_model.batch_curve(n)
+            n *= 2
 
     def _head(self, d: Any, name: str) -> Any:
         drafter = d.name

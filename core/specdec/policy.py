@@ -77,6 +77,15 @@ def _check_positive(inst: Any, attr: attrs.Attribute, value: Any) -> None:
         raise PolicyError(f"{attr.name} must be an integer >= 1, got {value!r}")
 
 
+#: the accepted values of :attr:`Policy.batch_sizing`
+BATCH_SIZINGS = ("width", "rows")
+
+
+def _check_batch_sizing(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if value not in BATCH_SIZINGS:
+        raise PolicyError(f"batch_sizing must be one of {list(BATCH_SIZINGS)}, got {value!r}")
+
+
 def _freeze_options(value: Any) -> dict:
     if value is None:
         return {}
@@ -111,6 +120,12 @@ class Policy:
             at a time). Above 1, every drafter, the governor and the verifier must
             declare ``supports_batch = True``; ``assemble`` refuses the policy otherwise.
         options: per-component options, ``{component_name: {option: value}}``.
+        batch_sizing: how the rows of a batch are sized: ``"width"`` (the default): a
+            round's forward is as wide as the rows' blocks make it pay for every row, the
+            blocks that carry acceptance estimates (:attr:`specdec.Draft.acceptance`)
+            cut to that width (:func:`specdec.costs.best_width`, from the verify cost of
+            a batch of that many rows); ``"rows"``: each row's block as its drafter
+            sized it alone.
         forced_drafts: whether a request with a ``grammar`` drafts the tokens its
             grammar forces (the keys of a schema, punctuation; they open the round's
             block and cannot be rejected). ``None`` (the default): when the policy has
@@ -129,6 +144,7 @@ class Policy:
     max_block: int = attrs.field(default=16, validator=_check_positive)
     min_block: int = attrs.field(default=1, validator=_check_positive)
     max_batch: int = attrs.field(default=1, validator=_check_positive)
+    batch_sizing: str = attrs.field(default="width", validator=_check_batch_sizing)
     options: dict = attrs.field(factory=dict, converter=_freeze_options, hash=False)
     forced_drafts: bool | None = attrs.field(default=None, validator=_check_optional_bool)
 
@@ -153,6 +169,7 @@ class Policy:
         "max_block",
         "min_block",
         "max_batch",
+        "batch_sizing",
         "options",
         "forced_drafts",
     )

@@ -80,6 +80,15 @@ def _token_id(x: Any) -> int:
         ) from None
 
 
+def _acceptance(value: Any) -> tuple[float, ...] | None:
+    # floats, or None; what is out of range is refused when the draft is checked
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"acceptance must be a sequence of floats, got {value!r}")
+    return tuple(float(x) for x in value)
+
+
 @attrs.frozen
 class Draft:
     """A block proposed by a drafter.
@@ -91,10 +100,17 @@ class Draft:
         probs: optional draft distributions ``q`` of shape ``[len(tokens), vocab]``
             (probabilities, already filtered by the request's sampler). ``None``
             means the draft is deterministic (a point mass on each token).
+        acceptance: optional, the drafter's estimate for each position of the block of
+            the chance that it is accepted given that every position before it was
+            (``len(tokens)`` floats in ``[0, 1]``). In a :class:`specdec.Batch` a block
+            that has it may be cut shorter when the forward it widens does not pay for
+            the batch as a whole (:func:`specdec.costs.best_width`); a block without it
+            is verified as proposed.
     """
 
     tokens: Any = attrs.field(converter=_tokens)
     probs: Any = None
+    acceptance: tuple[float, ...] | None = attrs.field(default=None, converter=_acceptance)
 
     @property
     def size(self) -> int:

@@ -42,6 +42,7 @@ __all__ = [
     "commit_grammar",
     "constrain",
     "count_block",
+    "cut",
     "observe",
     "plan",
     "plan_steps",
@@ -88,6 +89,8 @@ class Round:
         t_launch: when the verify forward was queued.
         forced: how many of the block's first tokens a grammar forced (their own
             :data:`FORCED` block when no drafter proposed after them).
+        acceptance: the chosen draft's per-position acceptance estimates
+            (:attr:`specdec.Draft.acceptance`; 1.0 at forced positions), or ``None``.
     """
 
     kind: RoundKind
@@ -110,6 +113,7 @@ class Round:
     next_sample: Any = None
     t_launch: float = 0.0
     forced: int = 0
+    acceptance: tuple[float, ...] | None = None
 
     @property
     def block_size(self) -> int:
@@ -225,9 +229,11 @@ def plan_steps(state: Any, policy: Any, rnd: Round) -> Generator[Ask, Any, None]
         guard.check_draft(state, name, draft, budget, rnd.position + len(forced))
         rnd.proposals[name] = draft.tokens
         rnd.chosen = name
+        est = draft.acceptance
         if not forced:
-            rnd.block, rnd.q = draft.tokens, draft.probs
+            rnd.block, rnd.q, rnd.acceptance = draft.tokens, draft.probs, est
             return
+        rnd.acceptance = None if est is None else (1.0,) * len(forced) + est
         toks = draft.tokens
         if is_lazy(toks):
             toks = tuple(int(t) for t in toks.tolist())
@@ -275,14 +281,25 @@ def constrain(state: Any, rnd: Round) -> None:
     if n < len(block):
         gs = state.stats.grammar
         gs["cut"] = gs.get("cut", 0) + len(block) - n
-        rnd.block = block[:n]
-        if rnd.q is not None:
-            rnd.q = rnd.q[:n] if n else None
-        if n <= rnd.forced:  # nothing of the drafter's is left
-            rnd.chosen = FORCED if n else None
+        cut(rnd, n)
     if rnd.q is not None:
         # the drafts verified are those q drew inside the mask: q conditioned on it
         rnd.q = g.renormalise(rnd.q)
+
+
+def cut(rnd: Round, n: int) -> None:
+    """The round's block cut to its first ``n`` tokens (``q`` and the acceptance
+    estimates with it); a block left with none of its drafter's tokens is the grammar's
+    (:data:`FORCED`), or nothing."""
+    if n >= rnd.block_size:
+        return
+    rnd.block = rnd.block[:n]
+    if rnd.q is not None:
+        rnd.q = rnd.q[:n] if n else None
+    if rnd.acceptance is not None:
+        rnd.acceptance = rnd.acceptance[:n]
+    if n <= rnd.forced:  # nothing of the drafter's is left
+        rnd.chosen = FORCED if n else None
 
 
 def commit_grammar(state: Any, n_accepted: int, token: int) -> None:

@@ -70,6 +70,9 @@ class Stats:
             otherwise.
         batch_rows: ``{rows: rounds}`` for a request decoded as a row of a batch: how
             many rounds ran with that many rows in the forward (empty when alone).
+        batch_cut: drafted tokens of this row that its batch cut before verify, because
+            the forward they widened did not pay for the batch's rows as a whole
+            (:func:`specdec.costs.best_width`; blocks with acceptance estimates only).
         row_projection: with the ``hidden`` verifier's ``project = "rows"``: ``rounds``
             judged by projecting the target's logits one position at a time until the
             first rejection, ``rows`` projected, ``skipped`` (positions after a rejection,
@@ -114,6 +117,7 @@ class Stats:
     verify_cost: dict = attrs.field(factory=dict)
     distributed: dict = attrs.field(factory=dict)
     batch_rows: dict = attrs.field(factory=dict)
+    batch_cut: int = 0
     row_projection: dict = attrs.field(factory=dict)
     grammar: dict = attrs.field(factory=dict)
     finish_reason: str | None = None

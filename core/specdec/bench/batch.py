@@ -46,9 +46,20 @@ class BatchResult:
     identical: dict = attrs.field(factory=dict)  # kind -> [rows equal alone, per run]
     tokens_per_forward: list = attrs.field(factory=list)  # on: mean over rows, per run
     acceptance: list = attrs.field(factory=list)
+    #: on: ``{width: rounds}`` over every run, rounds with all B rows only (tokens fed
+    #: per row: the batch's sizing, :func:`specdec.costs.best_width`)
+    widths: dict = attrs.field(factory=dict)
+    #: on: drafted tokens the batch's sizing cut, per run (all rows)
+    cut: list = attrs.field(factory=list)
 
     def median(self, kind: str) -> float:
         return float(statistics.median(self.tps[kind])) if self.tps.get(kind) else 0.0
+
+    @property
+    def mean_width(self) -> float:
+        """Tokens fed per row in the policy's rounds with every row, on average."""
+        n = sum(self.widths.values())
+        return sum(w * c for w, c in self.widths.items()) / n if n else 0.0
 
     def record(self) -> dict:
         off, on, mlx = (self.median(k) for k in KINDS)
@@ -68,6 +79,9 @@ class BatchResult:
             "acceptance_rate": round(statistics.median(self.acceptance), 3)
             if self.acceptance
             else None,
+            "widths": {w: self.widths[w] for w in sorted(self.widths)},
+            "mean_width": round(self.mean_width, 2) if self.widths else None,
+            "cut_tokens": round(statistics.median(self.cut), 1) if self.cut else None,
             "rows_identical": {
                 k: f"{sum(v)}/{len(v) * self.batch}" for k, v in self.identical.items()
             },
@@ -89,7 +103,7 @@ def _prefilled(model: Any, ids: list[int], step: int = 512) -> list:
 
 def _specdec(
     pipe: Any, ids: list[int], rows: int, cache: list, max_tokens: int
-) -> tuple[float, list, list]:
+) -> tuple[float, list, list, dict]:
     batch = pipe.batch(rows)
     for _ in range(rows):
         batch.add(ids, prompt_cache=cache, max_tokens=max_tokens)
@@ -108,7 +122,8 @@ def _specdec(
     stats = [last[k].stats for k in sorted(last)]
     tokens = sum(len(v) for v in out.values())
     t = max(s.decode_time_s for s in stats)
-    return (tokens / t if t > 0 else 0.0), [out.get(k, []) for k in sorted(last)], stats
+    widths = dict(batch.widths.get(rows, {}))
+    return (tokens / t if t > 0 else 0.0), [out.get(k, []) for k in sorted(last)], stats, widths
 
 
 def _mlx_lm(
@@ -157,7 +172,7 @@ def run_batch_bench(
     off_pipe = assemble(model, tokenizer, "none")
     on_pipe = assemble(model, tokenizer, pol)
     on_pipe.batch(max(batches))  # refuses a policy that cannot batch, before any work
-    on_pipe.prepare()
+    on_pipe.prepare(rows=max(batches))  # the batches' cost curves too, before any timing
     results = []
     for w in workloads:
         ids = w.prompt_ids(off_pipe)
@@ -181,12 +196,15 @@ def run_batch_bench(
                         tps, rows = _mlx_lm(model, tokenizer, ids, b, cache, max_tokens)
                     else:
                         pipe = on_pipe if kind == "on" else off_pipe
-                        tps, rows, stats = _specdec(pipe, ids, b, cache, max_tokens)
+                        tps, rows, stats, widths = _specdec(pipe, ids, b, cache, max_tokens)
                         if kind == "on":
                             res.tokens_per_forward.append(
                                 statistics.mean(s.tokens_per_forward for s in stats)
                             )
                             res.acceptance.append(statistics.mean(s.acceptance_rate for s in stats))
+                            res.cut.append(sum(s.batch_cut for s in stats))
+                            for width, n in widths.items():
+                                res.widths[width] = res.widths.get(width, 0) + n
                     res.tps.setdefault(kind, []).append(tps)
                     res.identical.setdefault(kind, []).append(sum(r == alone for r in rows))
                     if progress is not None:
@@ -204,8 +222,9 @@ def batch_table(results: Sequence[BatchResult]) -> str:
     """The markdown table of a batch bench."""
     lines = [
         "| workload | B | none tok/s | policy tok/s | mlx-lm batch_generate tok/s | policy / none "
-        "| policy / mlx-lm | tok/forward | rows identical (none, policy, mlx-lm) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| policy / mlx-lm | tok/forward | mean width (tokens cut) "
+        "| rows identical (none, policy, mlx-lm) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         d = r.record()
@@ -214,6 +233,7 @@ def batch_table(results: Sequence[BatchResult]) -> str:
             f"| {r.workload} | {r.batch} | {d['off_tps']:.1f} | {d['on_tps']:.1f} "
             f"| {d['mlx_lm_tps']:.1f} | {d['on_vs_off']:.2f}x | {d['on_vs_mlx_lm']:.2f}x "
             f"| {d['tokens_per_forward']:.2f} "
+            f"| {d['mean_width'] or 0:.2f} ({d['cut_tokens'] or 0:g}) "
             f"| {same.get('off')}, {same.get('on')}, {same.get('mlx-lm')} |"
         )
     return "\n".join(lines)

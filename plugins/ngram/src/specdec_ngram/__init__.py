@@ -16,7 +16,7 @@ from .drafter import DEFAULTS, NgramCopyDrafter, NgramCopySession, create_ngram_
 from .index import NgramIndex, NgramMatch
 from .store import CopyStore, CopyStoreError, StoreMatch
 
-__version__ = "0.4.1"
+__version__ = "0.4.2"
 
 __all__ = [
     "DEFAULTS",

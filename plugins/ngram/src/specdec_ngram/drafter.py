@@ -363,7 +363,7 @@ class NgramCopySession(BaseDrafterSession):
         if plan is None:
             self.misses += 1
             return None
-        match, tokens, bucket, size = plan
+        match, tokens, bucket, size, accept = plan
         if size < 1:
             self.declined += 1
             t0 = time.perf_counter()
@@ -387,7 +387,8 @@ class NgramCopySession(BaseDrafterSession):
         self.last_match = match
         self.sizes[size] = self.sizes.get(size, 0) + 1
         self._bucket = bucket
-        return Draft(tokens=tokens)
+        est = None if accept is None else [min(1.0, max(0.0, a)) for a in accept[:size]]
+        return Draft(tokens=tokens, acceptance=est)
 
     def shadow(self, history: Sequence[int], max_len: int) -> Draft | None:
         """What :meth:`propose` would propose, without counting it (for shadow scoring
@@ -399,7 +400,7 @@ class NgramCopySession(BaseDrafterSession):
         out = None
         plan = self._plan(len(history), max_len) if max_len >= 1 else None
         if plan is not None:
-            _, tokens, bucket, size = plan
+            _, tokens, bucket, size, _ = plan
             self.shadow_lookups += 1
             self._start_shadow(len(history), tokens, bucket)
             if size >= 1:  # a block that would not pay is not proposed (but self-scored)
@@ -518,9 +519,12 @@ class NgramCopySession(BaseDrafterSession):
 
     # -- helpers ------------------------------------------------------------------
 
-    def _plan(self, context: int, max_len: int) -> tuple[NgramMatch, list[int], int, int] | None:
-        """The match, its continuation, its bucket and the block size to propose (0:
-        none pays), or ``None`` when nothing matches. Without a match in the context,
+    def _plan(
+        self, context: int, max_len: int
+    ) -> tuple[NgramMatch, list[int], int, int, list[float] | None] | None:
+        """The match, its continuation, its bucket, the block size to propose (0: none
+        pays) and the acceptance estimates it was priced with (``None`` with the ladder),
+        or ``None`` when nothing matches. Without a match in the context,
         the store (if any) is looked up: its match (``position`` in the store) gets
         the ``"store"`` bucket and shares of 1.0."""
         d = self.drafter
@@ -551,7 +555,7 @@ class NgramCopySession(BaseDrafterSession):
             return None
         bucket = STORE_BUCKET if found is not None else self._bucket_of(match)
         if self.sizing == "ladder":
-            return match, tokens, bucket, len(tokens)
+            return match, tokens, bucket, len(tokens), None
         accept = self._accept_probs(bucket, len(tokens))
         if shares is not None:
             accept = [a * sh for a, sh in zip(accept, shares)]
@@ -567,7 +571,7 @@ class NgramCopySession(BaseDrafterSession):
         choice = best_block(
             accept, verify, max_size=len(tokens), overhead_s=base, draft_cost=lambda k: extra
         )
-        return match, tokens, bucket, choice.size
+        return match, tokens, bucket, choice.size, accept
 
     def _accept_probs(self, bucket: int, n: int) -> list[float]:
         """The acceptance estimates of positions ``1 .. n`` for a match in ``bucket``.

@@ -13,6 +13,6 @@ from __future__ import annotations
 from .app import APIError, make_app
 from .engine import Engine, Job, Metrics
 
-__version__ = "0.5.0"
+__version__ = "0.5.1"
 
 __all__ = ["APIError", "Engine", "Job", "Metrics", "make_app"]

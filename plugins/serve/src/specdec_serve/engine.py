@@ -339,8 +339,9 @@ class Engine:
         longest = profile_context or None
         if longest is not None and self.context_length:
             longest = min(longest, int(self.context_length))
+        rows = max_batch if max_batch > 1 else None  # the batches' verify cost too
         for name in self.policy_specs:  # every offered policy assembles before serving
-            self.pipe(name).prepare(context=longest)
+            self.pipe(name).prepare(context=longest, rows=rows)
         try:  # llguidance's tokenizer (shared by the policies), before the first request
             pipe.grammar_tokenizer()
         except specdec.RequestError:
