@@ -100,7 +100,7 @@ def tests(session: nox.Session) -> None:
     """The core's tests, with the core and every plugin installed editable (each plugin's
     own tests run in its ``plugin`` session, from its wheel)."""
     _editable(session)
-    _pytest(session, *_test_dirs()[:1])
+    _pytest(session, "tests")
 
 
 @nox.session

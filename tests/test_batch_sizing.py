@@ -215,3 +215,40 @@ def test_prepare_loads_the_curves_of_the_batches_to_come(llama, tmp_path, monkey
     assert pipe.cost_model.stats()["batch_rows"] == [2, 4]
     with pytest.raises(specdec.RequestError, match="rows must be an integer >= 1"):
         pipe.prepare(rows=0)
+
+
+def test_a_batch_never_cuts_a_grammars_forced_tokens(tmp_path):
+    """A batch forward so dear that no drafted token pays still verifies the tokens a
+    row's grammar forces (certain to be accepted): they are never cut, and every forced
+    token counted was verified and accepted."""
+    from core_support import write_json_tokenizer
+
+    tok = write_json_tokenizer(tmp_path, 320)
+    model = make_tiny_model("llama", vocab_size=320)
+    prompt = tok.encode('Alice lives in Portland. {"name":"Alice","city":"Portland"}')
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "city": {"enum": ["Paris"]}},
+        "required": ["name", "city"],
+        "additionalProperties": False,
+    }
+    pol = specdec.Policy(name="copy-forced", drafters=("ngram_copy",), forced_drafts=True)
+    pipe = specdec.assemble(model, tok, pol)
+    steep = {n: _curve(1.0, rows=n) for n in (2, 4)}
+    pipe.cost_model = CostModel(model, curve=_curve(0.02), batch_curves=steep)
+    plain = specdec.assemble(model, tok, "none")
+    batch = pipe.batch(3)
+    rows = [batch.add(prompt[i:], max_tokens=30, grammar={"json_schema": schema}) for i in range(3)]
+    got: dict[int, list[int]] = {r: [] for r in rows}
+    stats = {}
+    while len(batch):
+        for ev in batch.step():
+            assert ev.error is None, ev.error
+            if not ev.response.is_stop_token:
+                got[ev.row].append(ev.response.token)
+            stats[ev.row] = ev.response.stats
+    for i, r in enumerate(rows):
+        alone = plain.generate(prompt[i:], max_tokens=30, grammar={"json_schema": schema})
+        assert got[r] == alone.tokens
+        s = stats[r]
+        assert 0 < s.grammar["forced"] <= s.accepted

@@ -1097,6 +1097,42 @@ def test_cli_batch_compares_the_policy_with_none_and_mlx_lm_batch_generate(capsy
     assert "mean width (tokens cut)" in err
 
 
+def test_cli_batch_measures_several_policies_against_the_same_runs(capsys, byte_model, tmp_path):
+    rows = tmp_path / "copy-rows.toml"
+    rows.write_text(
+        'drafters = ["ngram_copy"]\ngovernor = "copy_governor"\nbatch_sizing = "rows"\n'
+    )
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--model",
+        str(byte_model),
+        "--batch",
+        "2",
+        "-w",
+        "code-edit",
+        "--policy",
+        "copy",
+        "--policy",
+        str(rows),
+        "--runs",
+        "1",
+        "--max-tokens",
+        "8",
+        "--json",
+    )
+    assert rc == 0, err
+    records = json.loads(out)
+    assert [r["policy"] for r in records] == ["copy", "copy-rows"]
+    # one none run and one mlx-lm run, shared by both records
+    assert records[0]["runs"]["off"] == records[1]["runs"]["off"]
+    assert records[0]["runs"]["mlx-lm"] == records[1]["runs"]["mlx-lm"]
+    assert records[0]["runs"]["on"] != records[1]["runs"]["on"]
+    assert all(r["rows_identical"]["on"] == "2/2" for r in records)
+    assert records[1]["cut_tokens"] == 0  # batch_sizing = "rows" never cuts
+    assert "| code-edit | 2 | copy-rows |" in err
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

@@ -200,8 +200,11 @@ class Batch:
         #: the verify cost curves that size a round's blocks for the whole batch (the
         #: pipeline's, when a drafter reads it; ``None``: blocks verified as proposed)
         self._cost = pipeline.cost_model if pipeline.policy.batch_sizing == "width" else None
-        #: seconds a round costs beyond its forward (an average of the last rounds)
-        self._overhead_s = 0.0
+        #: seconds a round costs beyond its forward (an average of the last rounds;
+        #: ``None`` before the first)
+        self._overhead_s: float | None = None
+        #: seconds the current round spent profiling a batch's verify cost (not overhead)
+        self._profiling_s = 0.0
         self._pending: deque[_Member] = deque()
         self._rows: list[_Member] = []
         self._caches: list | None = None
@@ -541,8 +544,11 @@ class Batch:
         t_done = time.perf_counter()
         self.rounds += 1
         self.round_time_s += t_done - t0
-        outside = (t_done - t_start) - (t_verify - t0)  # planning, acceptance, commit
-        self._overhead_s += 0.2 * (outside - self._overhead_s)
+        # planning, acceptance, commit: not the forward, nor profiling a batch's curve
+        outside = (t_done - t_start) - (t_verify - t0) - self._profiling_s
+        self._profiling_s = 0.0
+        last = self._overhead_s
+        self._overhead_s = outside if last is None else last + 0.2 * (outside - last)
         events: list[BatchEvent] = []
         gone = []
         for i, (m, rnd, res) in enumerate(zip(members, rounds, results)):
@@ -691,10 +697,15 @@ class Batch:
         probs: list[Sequence[float]] = []
         least, cuttable = 1, []
         for i, (m, rnd) in enumerate(zip(members, rounds)):
-            k = rnd.block_size if i not in failed else 0
+            if i in failed:
+                continue  # fed its last token, but it commits nothing
+            k = rnd.block_size
             if not k:
                 probs.append(())
-            elif rnd.acceptance is not None:
+                continue
+            # a grammar's forced tokens are never cut (they are certain to be accepted)
+            least = max(least, 1 + rnd.forced)
+            if rnd.acceptance is not None:
                 probs.append(rnd.acceptance)
                 cuttable.append(i)
             else:
@@ -702,16 +713,19 @@ class Batch:
                 d = m.state.stats.per_drafter.get(rnd.chosen) or {}
                 rate = d.get("accepted", 0) / d["drafted"] if d.get("drafted") else 0.5
                 probs.append([rate] * k)
-        if not cuttable or max(len(probs[i]) for i in cuttable) < least:
+        if not cuttable or max(rounds[i].block_size for i in cuttable) < least:
             return  # nothing may be cut, or nothing cut would narrow the forward
         context = max(len(m.state.history) for m in members)
         rows = len(members)
-        if cm.batch_cost(rows, 1, context) is None:  # no curve for this batch
+        t0 = time.perf_counter()
+        known = cm.batch_cost(rows, 1, context)  # profiles a batch size not seen yet
+        self._profiling_s += time.perf_counter() - t0
+        if known is None:  # no curve for this batch
             return
         choice = best_width(
             probs,
             lambda w: cm.batch_cost(rows, w, context) or 0.0,
-            overhead_s=self._overhead_s,
+            overhead_s=self._overhead_s or 0.0,
             least=least,
         )
         for i in cuttable:

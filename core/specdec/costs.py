@@ -78,6 +78,8 @@ DEFAULT_WIDTHS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
 DEFAULT_CONTEXTS: tuple[int, ...] = (128, 1024)
 #: The longest context a refresh profiles.
 MAX_PROFILE_CONTEXT = 8192
+#: The longest context a batch's curve is profiled at (its rows hold that many each).
+MAX_BATCH_PROFILE_CONTEXT = 4096
 #: 2: cells are the fastest of their timed forwards (1: the median of two).
 _FORMAT = 2
 
@@ -677,8 +679,10 @@ class CostModel:
 
     def batch_curve(self, rows: int) -> VerifyCostCurve | None:
         """The curve of forwards of ``rows`` rows (a power of two >= 2; 1 is
-        :meth:`curve`): given, in memory, on disk, else profiled now at this model's
-        contexts (once per model, device and batch size; cached like :meth:`curve`).
+        :meth:`curve`): given, in memory, on disk, else profiled now at the contexts the
+        single-request curve has (up to :data:`MAX_BATCH_PROFILE_CONTEXT`; once per model,
+        device and batch size, cached like :meth:`curve`; not refreshed as requests grow:
+        read past its longest context, it is extrapolated).
 
         ``None`` when this cost model's curve was given without one for ``rows``, or
         profiling failed (:attr:`batch_failure` says why; not tried again).
@@ -702,8 +706,12 @@ class CostModel:
             except (OSError, ValueError, KeyError, TypeError):
                 got = None  # missing, unreadable or stale: profile again
         if got is None:
+            # the contexts the single-request curve has (a server's prepare(context=N)
+            # included), up to MAX_BATCH_PROFILE_CONTEXT: past it, extrapolated
+            have = self._curve.contexts if self._curve is not None else self.contexts
+            contexts = sorted({min(c, MAX_BATCH_PROFILE_CONTEXT) for c in have})
             try:
-                got = self._profile(self.contexts, rows=rows)
+                got = self._profile(contexts, rows=rows)
             except Exception as exc:  # no batch sizing; the rows' blocks as proposed
                 self.batch_failure = f"profiling {rows} rows: {type(exc).__name__}: {exc}"
                 return None

@@ -208,7 +208,7 @@ class Pipeline:
             self.cost_model.note_context(context)
             self.cost_model.refresh()
         n = 2
-        while rows is not None and n < 2 * rows:
+        while rows is not None and self.policy.batch_sizing == "width" and n < 2 * rows:
             self.cost_model.batch_curve(n)
             n *= 2
 

@@ -1,10 +1,12 @@
 """``specdec bench --batch``: aggregate throughput of B rows decoded together.
 
-For each workload and batch size B, three contenders decode the workload's prompt
+For each workload and batch size B, the contenders decode the workload's prompt
 as B rows, greedily, interleaved run by run (the order rotates every run):
 
 * ``off``: specdec with the ``none`` policy (plain decoding in a batch);
-* ``on``: specdec with the measured policy (each row speculating on its own);
+* ``on``: specdec with the measured policy (each row speculating on its own); with
+  several policies, each is a contender, measured against the same ``off`` and
+  ``mlx-lm`` runs (one record per policy);
 * ``mlx-lm``: mlx-lm's ``batch_generate`` on the same prompts.
 
 The figure is aggregate decode tok/s: the tokens of every row over the decoding
@@ -149,18 +151,19 @@ def run_batch_bench(
     tokenizer: Any,
     workloads: Sequence[Workload],
     *,
-    policy: Policy | str = "copy",
+    policy: Policy | str | Sequence[Policy | str] = "copy",
     batches: Sequence[int] = (1, 2, 4, 8),
     runs: int = 3,
     max_tokens: int = 300,
     progress: Any = None,
     on_run: Callable[[str, Workload, int, int], None] | None = None,
 ) -> list[BatchResult]:
-    """Measure ``policy`` against ``none`` and mlx-lm's ``batch_generate`` at each batch size.
+    """Measure ``policy`` (or each of several, side by side) against ``none`` and mlx-lm's
+    ``batch_generate`` at each batch size: one result per workload, batch size and policy.
 
     Raises:
-        RequestError: bad arguments (before any model work).
-        PolicyError: the policy cannot run rows of a batch.
+        RequestError: bad arguments (before any model work), or two policies of one name.
+        PolicyError: a policy cannot run rows of a batch.
     """
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise RequestError(f"runs must be an integer >= 1, got {runs!r}")
@@ -168,11 +171,18 @@ def run_batch_bench(
         raise RequestError(f"batch sizes must be integers >= 1, got {list(batches)!r}")
     if not workloads:
         raise RequestError("no workloads to run")
-    pol = load_policy(policy)
+    pols = [load_policy(p) for p in ([policy] if isinstance(policy, (Policy, str)) else policy)]
+    if not pols or len({p.name for p in pols}) != len(pols):
+        raise RequestError(
+            f"give one or more policies of different names, got {[p.name for p in pols]}"
+        )
     off_pipe = assemble(model, tokenizer, "none")
-    on_pipe = assemble(model, tokenizer, pol)
-    on_pipe.batch(max(batches))  # refuses a policy that cannot batch, before any work
-    on_pipe.prepare(rows=max(batches))  # the batches' cost curves too, before any timing
+    on_pipes = [assemble(model, tokenizer, p) for p in pols]
+    for pipe in on_pipes:
+        pipe.batch(max(batches))  # refuses a policy that cannot batch, before any work
+        pipe.prepare(rows=max(batches))  # the batches' cost curves too, before any timing
+    pipes = {"off": off_pipe, **{f"on:{p.name}": pp for p, pp in zip(pols, on_pipes)}}
+    kinds = ["off", *(f"on:{p.name}" for p in pols), "mlx-lm"]
     results = []
     for w in workloads:
         ids = w.prompt_ids(off_pipe)
@@ -181,56 +191,65 @@ def run_batch_bench(
         alone = off_pipe.generate(ids, max_tokens=max_tokens).tokens
         cache = _prefilled(model, ids)
         # warm-up: a few tokens of each contender
-        _specdec(off_pipe, ids, 1, cache, 4)
-        _specdec(on_pipe, ids, 1, cache, 4)
+        for pipe in pipes.values():
+            _specdec(pipe, ids, 1, cache, 4)
         _mlx_lm(model, tokenizer, ids, 1, cache, 4)
         for b in batches:
-            res = BatchResult(workload=w.name, batch=b, policy=pol.name, prompt_tokens=len(ids))
+            res = {
+                p.name: BatchResult(workload=w.name, batch=b, policy=p.name, prompt_tokens=len(ids))
+                for p in pols
+            }
             for run in range(runs):
-                order = KINDS[run % 3 :] + KINDS[: run % 3]
-                for kind in order:
+                shift = run % len(kinds)
+                for kind in kinds[shift:] + kinds[:shift]:
                     if on_run is not None:
-                        on_run(kind, w, b, run)
+                        on_run(kind, w, b, run)  # "off", "on:POLICY" or "mlx-lm"
                     gc.collect()
                     if kind == "mlx-lm":
                         tps, rows = _mlx_lm(model, tokenizer, ids, b, cache, max_tokens)
                     else:
-                        pipe = on_pipe if kind == "on" else off_pipe
-                        tps, rows, stats, widths = _specdec(pipe, ids, b, cache, max_tokens)
-                        if kind == "on":
-                            res.tokens_per_forward.append(
-                                statistics.mean(s.tokens_per_forward for s in stats)
-                            )
-                            res.acceptance.append(statistics.mean(s.acceptance_rate for s in stats))
-                            res.cut.append(sum(s.batch_cut for s in stats))
-                            for width, n in widths.items():
-                                res.widths[width] = res.widths.get(width, 0) + n
-                    res.tps.setdefault(kind, []).append(tps)
-                    res.identical.setdefault(kind, []).append(sum(r == alone for r in rows))
+                        tps, rows, stats, widths = _specdec(pipes[kind], ids, b, cache, max_tokens)
+                    same = sum(r == alone for r in rows)
+                    if kind.startswith("on:"):
+                        r = res[kind[3:]]
+                        r.tokens_per_forward.append(
+                            statistics.mean(s.tokens_per_forward for s in stats)
+                        )
+                        r.acceptance.append(statistics.mean(s.acceptance_rate for s in stats))
+                        r.cut.append(sum(s.batch_cut for s in stats))
+                        for width, n in widths.items():
+                            r.widths[width] = r.widths.get(width, 0) + n
+                        r.tps.setdefault("on", []).append(tps)
+                        r.identical.setdefault("on", []).append(same)
+                    else:
+                        for r in res.values():  # the same runs for every policy's record
+                            r.tps.setdefault(kind, []).append(tps)
+                            r.identical.setdefault(kind, []).append(same)
                     if progress is not None:
                         progress.advance()
-            results.append(res)
+            results.extend(res.values())
     return results
 
 
-def batch_steps(n_workloads: int, batches: Sequence[int], runs: int) -> int:
+def batch_steps(n_workloads: int, batches: Sequence[int], runs: int, policies: int = 1) -> int:
     """Progress steps of :func:`run_batch_bench`."""
-    return n_workloads * len(batches) * runs * len(KINDS)
+    return n_workloads * len(batches) * runs * (len(KINDS) - 1 + policies)
 
 
 def batch_table(results: Sequence[BatchResult]) -> str:
     """The markdown table of a batch bench."""
     lines = [
-        "| workload | B | none tok/s | policy tok/s | mlx-lm batch_generate tok/s | policy / none "
+        "| workload | B | policy | none tok/s | policy tok/s | mlx-lm batch_generate tok/s "
+        "| policy / none "
         "| policy / mlx-lm | tok/forward | mean width (tokens cut) "
         "| rows identical (none, policy, mlx-lm) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         d = r.record()
         same = d["rows_identical"]
         lines.append(
-            f"| {r.workload} | {r.batch} | {d['off_tps']:.1f} | {d['on_tps']:.1f} "
+            f"| {r.workload} | {r.batch} | {r.policy} | {d['off_tps']:.1f} | {d['on_tps']:.1f} "
             f"| {d['mlx_lm_tps']:.1f} | {d['on_vs_off']:.2f}x | {d['on_vs_mlx_lm']:.2f}x "
             f"| {d['tokens_per_forward']:.2f} "
             f"| {d['mean_width'] or 0:.2f} ({d['cut_tokens'] or 0:g}) "

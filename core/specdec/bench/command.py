@@ -382,13 +382,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         unusable = [
             flag
             for flag, on in (
-                ("--sweep", args.sweep is not None),
                 ("--baseline", args.baseline is not None),
                 ("--plot", args.plot is not None),
                 ("--details", args.details is not None),
                 ("--dtype", args.dtype is not None),
                 ("--temp", temps != [0.0]),
-                ("several --policy", len(policies) > 1),
             )
             if on
         ]
@@ -399,7 +397,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..composition import check_batch
 
         try:
-            check_batch(specdec.get_plugin_host(), policy, max(batches))
+            for pol in policies:
+                check_batch(specdec.get_plugin_host(), pol, max(batches))
         except specdec.PolicyError as exc:
             raise CliError(f"--batch: {exc}") from exc
     world = None
@@ -453,7 +452,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model.set_dtype(getattr(mx, args.dtype))
 
     if batches is not None:
-        return _batch_bench(args, model, tokenizer, model_spec, workloads, policy, batches)
+        return _batch_bench(args, model, tokenizer, model_spec, workloads, policies, batches)
 
     from ..attention import status as attention_status
 
@@ -640,16 +639,19 @@ def _batch_bench(
     tokenizer: Any,
     model_spec: Any,
     workloads: list,
-    policy: Any,
+    policies: list,
     batches: list[int],
 ) -> int:
     from .batch import batch_steps, batch_table, run_batch_bench
 
     progress = Progress(
-        batch_steps(len(workloads), batches, args.runs), sys.stderr, enabled=not args.no_progress
+        batch_steps(len(workloads), batches, args.runs, len(policies)),
+        sys.stderr,
+        enabled=not args.no_progress,
     )
+    names = ", ".join(p.name for p in policies)
     print(
-        f"specdec bench --batch: model {model_spec}, policy {policy.name} vs none vs mlx-lm "
+        f"specdec bench --batch: model {model_spec}, policy {names} vs none vs mlx-lm "
         f"batch_generate, batch sizes {', '.join(map(str, batches))}, {args.runs} run(s) each, "
         f"{args.max_tokens} tokens, greedy",
         file=sys.stderr,
@@ -660,7 +662,7 @@ def _batch_bench(
             model,
             tokenizer,
             workloads,
-            policy=policy,
+            policy=policies,
             batches=batches,
             runs=args.runs,
             max_tokens=args.max_tokens,
