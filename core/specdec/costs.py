@@ -78,8 +78,11 @@ DEFAULT_WIDTHS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
 DEFAULT_CONTEXTS: tuple[int, ...] = (128, 1024)
 #: The longest context a refresh profiles.
 MAX_PROFILE_CONTEXT = 8192
-#: The longest context a batch's curve is profiled at (its rows hold that many each).
-MAX_BATCH_PROFILE_CONTEXT = 4096
+#: The longest context a batch's curve is profiled at (its rows hold that many each;
+#: past it the curve is extrapolated): 8 rows of 4,096 took minutes on a 2-core CPU.
+MAX_BATCH_PROFILE_CONTEXT = 1024
+#: Timed forwards per cell of a batch's curve (each of its forwards costs several steps).
+BATCH_REPEATS = 2
 #: 2: cells are the fastest of their timed forwards (1: the median of two).
 _FORMAT = 2
 
@@ -680,7 +683,8 @@ class CostModel:
     def batch_curve(self, rows: int) -> VerifyCostCurve | None:
         """The curve of forwards of ``rows`` rows (a power of two >= 2; 1 is
         :meth:`curve`): given, in memory, on disk, else profiled now at the contexts the
-        single-request curve has (up to :data:`MAX_BATCH_PROFILE_CONTEXT`; once per model,
+        single-request curve has (up to :data:`MAX_BATCH_PROFILE_CONTEXT`, the fastest of
+        :data:`BATCH_REPEATS` forwards per cell; once per model,
         device and batch size, cached like :meth:`curve`; not refreshed as requests grow:
         read past its longest context, it is extrapolated).
 
@@ -711,7 +715,7 @@ class CostModel:
             have = self._curve.contexts if self._curve is not None else self.contexts
             contexts = sorted({min(c, MAX_BATCH_PROFILE_CONTEXT) for c in have})
             try:
-                got = self._profile(contexts, rows=rows)
+                got = self._profile(contexts, rows=rows, repeats=min(self.repeats, BATCH_REPEATS))
             except Exception as exc:  # no batch sizing; the rows' blocks as proposed
                 self.batch_failure = f"profiling {rows} rows: {type(exc).__name__}: {exc}"
                 return None
@@ -832,7 +836,9 @@ class CostModel:
 
     # -- helpers -------------------------------------------------------------------
 
-    def _profile(self, contexts: Sequence[int], rows: int = 1) -> VerifyCostCurve:
+    def _profile(
+        self, contexts: Sequence[int], rows: int = 1, repeats: int | None = None
+    ) -> VerifyCostCurve:
         progress = self.progress
         if progress is None and self.announce:
             progress = _stderr_progress(self._path(rows) if self.persist else None, rows)
@@ -841,7 +847,7 @@ class CostModel:
             verifier=self.verifier,
             widths=self.widths,
             contexts=contexts,
-            repeats=self.repeats,
+            repeats=self.repeats if repeats is None else repeats,
             host=self.host,
             progress=progress,
             rows=rows,
