@@ -664,14 +664,10 @@ class CostModel:
         if mem is not None:
             self._curve, self.source = mem, "memory"
             return mem
-        if self.persist and self.persist_read:
-            try:
-                curve = VerifyCostCurve.from_dict(json.loads(self.path.read_text()))
-                if curve.widths == self.widths:
-                    self._set(curve, "disk", write=False)
-                    return curve
-            except (OSError, ValueError, KeyError, TypeError):
-                pass  # missing, unreadable or stale: profile again
+        curve = self._read(1)
+        if curve is not None:
+            self._set(curve, "disk", write=False)
+            return curve
         curve = self._profile(self.contexts)
         self._set(curve, "profiled", write=True)
         return curve
@@ -701,14 +697,7 @@ class CostModel:
         if self.source == "given" or self.batch_failure is not None:
             return None
         key = self._key(rows)
-        got = CostModel._memory.get(key)
-        if got is None and self.persist and self.persist_read:
-            try:
-                got = VerifyCostCurve.from_dict(json.loads(self._path(rows).read_text()))
-                if got.widths != self.widths or got.rows != rows:
-                    got = None
-            except (OSError, ValueError, KeyError, TypeError):
-                got = None  # missing, unreadable or stale: profile again
+        got = CostModel._memory.get(key) or self._read(rows)
         if got is None:
             # the contexts the single-request curve has (a server's prepare(context=N)
             # included), up to MAX_BATCH_PROFILE_CONTEXT: past it, extrapolated
@@ -835,6 +824,17 @@ class CostModel:
         }
 
     # -- helpers -------------------------------------------------------------------
+
+    def _read(self, rows: int) -> VerifyCostCurve | None:
+        """The curve of ``rows`` rows from the disk cache, or ``None`` (not persisted,
+        missing, unreadable, or of other widths or rows: profile again)."""
+        if not (self.persist and self.persist_read):
+            return None
+        try:
+            curve = VerifyCostCurve.from_dict(json.loads(self._path(rows).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return curve if curve.widths == self.widths and curve.rows == rows else None
 
     def _profile(
         self, contexts: Sequence[int], rows: int = 1, repeats: int | None = None
