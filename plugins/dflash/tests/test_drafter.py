@@ -1,0 +1,102 @@
+"""The ``dflash`` drafter in a pipeline: greedy output identical to plain decoding, the
+context cache equal to one fed only the accepted text, sampled rounds with ``q``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import specdec
+from dflash_support import tiny_config, write_checkpoint
+from specdec.testing import check_greedy_identity, make_tiny_model
+from specdec_dflash import DFlashDrafter, DFlashLoadError
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def setup(request, tmp_path_factory):
+    target = make_tiny_model(request.param)
+    folder = tmp_path_factory.mktemp(f"dflash-{request.param}")
+    write_checkpoint(folder, tiny_config(target, ids=(0, 1), block=6), seed=2)
+    return target, folder
+
+
+def _policy(folder, **options):
+    return specdec.Policy(
+        name="dflash",
+        drafters=("dflash",),
+        verifier="hidden",
+        options={"dflash": {"path": str(folder), "sizing": "fixed", **options}},
+    )
+
+
+def test_greedy_output_is_plain_decoding_and_blocks_are_drafted(setup):
+    target, folder = setup
+    pol = _policy(folder)
+    prompt = [1, 5, 9, 2, 7, 3, 11, 4]
+    out = check_greedy_identity(
+        target, pol, prompt, max_tokens_list=[*range(1, 17), 40], require_drafts=False
+    )
+    assert out["drafted"] > 0  # a block every round (random weights: rarely accepted)
+
+
+def test_the_context_cache_holds_exactly_the_committed_positions(setup, monkeypatch):
+    """After every round the drafter's context equals that of a drafter fed the features
+    of the committed text alone (computed here by one plain forward over it)."""
+    target, folder = setup
+    sessions = []
+    real = DFlashDrafter.session
+
+    def keep(self, ctx):
+        s = real(self, ctx)
+        sessions.append(s)
+        return s
+
+    monkeypatch.setattr(DFlashDrafter, "session", keep)
+    pipe = specdec.assemble(target, None, _policy(folder))
+    prompt = [1, 5, 9, 2, 7, 3, 11, 4]
+    tokens = list(prompt)
+    seen = 0
+    for r in pipe.stream(prompt, max_tokens=24):
+        tokens.append(r.token)
+        s = sessions[-1]
+        if s.caches and s.fed > seen:
+            seen = s.fed
+            _check_context(target, s, tokens[: s.fed])
+    assert seen >= len(prompt) - 1
+
+
+def _check_context(target, s, committed):
+    from specdec.verifiers import HiddenStateVerifier
+    from mlx_lm.models.cache import make_prompt_cache
+
+    v = HiddenStateVerifier(layers=list(s.ids))
+    vr = v.verify(target, mx.array(committed), make_prompt_cache(target))
+    feats = mx.concatenate([vr.layers[i] for i in s.ids], axis=-1)
+    fresh = s.module.make_cache()
+    s.module.append_context(feats[None], 0, fresh)
+    for got, want in zip(s.caches, fresh):
+        n = want.offset
+        assert got.offset == n
+        np.testing.assert_allclose(
+            np.array(got.keys[..., :n, :]), np.array(want.keys[..., :n, :]), atol=1e-4
+        )
+        np.testing.assert_allclose(
+            np.array(got.values[..., :n, :]), np.array(want.values[..., :n, :]), atol=1e-4
+        )
+
+
+def test_sampled_drafts_carry_q_and_keep_seeded_runs_reproducible(setup):
+    target, folder = setup
+    pipe = specdec.assemble(target, None, _policy(folder))
+    a = pipe.generate([1, 5, 9, 2], max_tokens=20, temperature=1.0, seed=3)
+    b = pipe.generate([1, 5, 9, 2], max_tokens=20, temperature=1.0, seed=3)
+    assert a.tokens == b.tokens and a.stats.drafted > 0
+    assert "rejection" in a.stats.acceptors or any("rejection" in k for k in a.stats.acceptors)
+
+
+def test_a_missing_or_unfit_checkpoint_is_refused_at_assemble(setup, tmp_path):
+    target, _ = setup
+    with pytest.raises(specdec.PolicyError, match="option path is required"):
+        specdec.assemble(target, None, specdec.Policy(drafters=("dflash",), verifier="hidden"))
+    with pytest.raises(DFlashLoadError, match="no DFlash drafter folder"):
+        specdec.assemble(target, None, _policy(tmp_path / "nothing"))
