@@ -66,8 +66,8 @@ def test_the_context_cache_holds_exactly_the_committed_positions(setup, monkeypa
 
 
 def _check_context(target, s, committed):
-    from specdec.verifiers import HiddenStateVerifier
     from mlx_lm.models.cache import make_prompt_cache
+    from specdec.verifiers import HiddenStateVerifier
 
     v = HiddenStateVerifier(layers=list(s.ids))
     vr = v.verify(target, mx.array(committed), make_prompt_cache(target))
@@ -100,3 +100,28 @@ def test_a_missing_or_unfit_checkpoint_is_refused_at_assemble(setup, tmp_path):
         specdec.assemble(target, None, specdec.Policy(drafters=("dflash",), verifier="hidden"))
     with pytest.raises(DFlashLoadError, match="no DFlash drafter folder"):
         specdec.assemble(target, None, _policy(tmp_path / "nothing"))
+
+
+def test_a_drafter_trained_for_seconds_drafts_blocks_that_are_accepted(setup, tmp_path):
+    """A few seconds of self-distillation on the target's own greedy text: the drafter
+    then proposes blocks the target accepts (deeper than one token), greedy output still
+    plain decoding's."""
+    from specdec_dflash import load_dflash
+    from specdec_dflash.train import train_blocks
+
+    target, folder = setup
+    plain = specdec.assemble(target, None, "none")
+    prompts = [[1 + i, 5, 9 + i, 2, 7, 3 + i] for i in range(6)]
+    seqs = [p + plain.generate(p, max_tokens=40).tokens for p in prompts]
+    module, _ = load_dflash(folder, target)
+    losses = train_blocks(module, target, seqs, steps=150, lr=3e-3, anchors_per_sequence=24)
+    assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:20]) / 20
+    out_dir = tmp_path / "trained"
+    from mlx.utils import tree_flatten
+
+    out_dir.mkdir()
+    mx.save_safetensors(str(out_dir / "model.safetensors"), dict(tree_flatten(module.parameters())))
+    (out_dir / "config.json").write_text((folder / "config.json").read_text())
+    pol = _policy(out_dir)
+    out = check_greedy_identity(target, pol, prompts[0], max_tokens_list=[8, 24, 40])
+    assert out["accepted"] > out["runs"]  # more than one accepted token per run

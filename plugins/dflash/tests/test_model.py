@@ -59,7 +59,11 @@ def _reference(w: dict, cfg: dict, features: np.ndarray, block: np.ndarray, star
         def heads(y, n):
             return y.reshape(y.shape[0], n, hd).transpose(1, 0, 2)
 
-        q = _rms(heads(xn @ w[p + "self_attn.q_proj.weight"].T, nh), w[p + "self_attn.q_norm.weight"], eps)
+        q = _rms(
+            heads(xn @ w[p + "self_attn.q_proj.weight"].T, nh),
+            w[p + "self_attn.q_norm.weight"],
+            eps,
+        )
         q = _rope(q, range(start, start + b), base)
         keys, values = [], []
         for src, pos in ((ctx, range(t)), (xn, range(start, start + b))):

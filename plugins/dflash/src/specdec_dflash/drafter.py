@@ -31,8 +31,14 @@ from typing import Any
 
 import mlx.core as mx
 import specdec
-from specdec import BaseDrafter, BaseDrafterSession, Draft, PrefillChunk, RequestContext
-from specdec import RoundResult
+from specdec import (
+    BaseDrafter,
+    BaseDrafterSession,
+    Draft,
+    PrefillChunk,
+    RequestContext,
+    RoundResult,
+)
 from specdec.costs import AcceptanceEstimate, best_block
 from specdec.options import Option, Options, non_empty
 

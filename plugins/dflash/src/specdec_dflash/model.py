@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
@@ -100,19 +102,33 @@ class _Attention(nn.Module):
         b, t, _ = x.shape
         return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)
 
-    def key_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """Keys (normed, rotated at ``offset ..``) and values of ``x`` ``[1, T, H]``."""
+    def key_values(self, x: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
+        """Keys (normed, rotated at ``offset ..``) and values of ``x`` ``[N, T, H]``
+        (``offset``: an int, or one per row, ``[N]``)."""
         k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv)), offset=offset)
         return k, self._heads(self.v_proj(x), self.n_kv)
 
-    def __call__(self, x: mx.array, offset: int, cache: KVCache) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        offset: Any,
+        ctx_k: mx.array | None,
+        ctx_v: mx.array | None,
+        mask: mx.array | None = None,
+    ) -> mx.array:
+        """The block ``x`` ``[N, B, H]`` at ``offset`` attending to the context's keys and
+        values ``[N or 1, kv heads, S, d]`` and to itself (``mask``: which of those keys
+        each block sees, ``[N, 1, B, S + B]``; ``None``: all)."""
         b, t, _ = x.shape
         q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
         k, v = self.key_values(x, offset)
-        if cache.keys is not None and cache.offset > 0:
-            k = mx.concatenate([cache.keys[..., : cache.offset, :], k], axis=2)
-            v = mx.concatenate([cache.values[..., : cache.offset, :], v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=None)
+        if ctx_k is not None and ctx_k.shape[2] > 0:
+            if ctx_k.shape[0] != b:
+                ctx_k = mx.broadcast_to(ctx_k, (b, *ctx_k.shape[1:]))
+                ctx_v = mx.broadcast_to(ctx_v, (b, *ctx_v.shape[1:]))
+            k = mx.concatenate([ctx_k, k], axis=2)
+            v = mx.concatenate([ctx_v, v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
@@ -135,8 +151,10 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.mlp = _MLP(c)
 
-    def __call__(self, x: mx.array, offset: int, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), offset, cache)
+    def __call__(
+        self, x: mx.array, offset: Any, ctx: tuple, mask: mx.array | None = None
+    ) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), offset, *ctx, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -162,19 +180,38 @@ class DFlashModel(nn.Module):
         concatenated in ``target_layer_ids`` order) as the draft's ``[..., H]``."""
         return self.hidden_norm(self.fc(features))
 
+    def context(self, features: mx.array, start: int) -> list[tuple[mx.array, mx.array]]:
+        """Every layer's keys and values of positions ``start .. start + T - 1``, from
+        their context features ``[1, T, k * H]``."""
+        x = self.project(features)
+        return [layer.self_attn.key_values(x, start) for layer in self.layers]
+
     def append_context(self, features: mx.array, start: int, caches: list[KVCache]) -> None:
         """Append the keys and values of positions ``start .. start + T - 1`` to every
         layer's cache, from their context features ``[1, T, k * H]`` (lazily)."""
-        x = self.project(features)
-        for layer, cache in zip(self.layers, caches):
-            k, v = layer.self_attn.key_values(x, start)
+        for (k, v), cache in zip(self.context(features, start), caches):
             cache.update_and_fetch(k, v)
+
+    def forward(
+        self, block: mx.array, start: Any, contexts: list, mask: mx.array | None = None
+    ) -> mx.array:
+        """The blocks' hidden states after the final norm, ``[N, B, H]``, from their
+        embeddings ``[N, B, H]`` at positions ``start ..`` (an int or ``[N]``), each
+        layer attending to its ``contexts[i]`` keys and values and the block (``mask``
+        as :class:`_Attention`'s)."""
+        x = block
+        for layer, ctx in zip(self.layers, contexts):
+            x = layer(x, start, ctx, mask)
+        return self.norm(x)
 
     def __call__(self, block: mx.array, start: int, caches: list[KVCache]) -> mx.array:
         """The block's hidden states after the final norm, ``[1, B, H]``, from its
         embeddings ``[1, B, H]`` at positions ``start ..``; the caches are read, not
         written."""
-        x = block
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, start, cache)
-        return self.norm(x)
+        contexts = [
+            (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+            if c.keys is not None
+            else (None, None)
+            for c in caches
+        ]
+        return self.forward(block, start, contexts)
