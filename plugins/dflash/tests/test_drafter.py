@@ -85,6 +85,24 @@ def _check_context(target, s, committed):
         )
 
 
+def test_sampled_output_has_the_targets_distribution(setup):
+    """Drafts drawn from the block's distributions with their q: rejection sampling keeps
+    the target's joint distribution of the first tokens (chi-square)."""
+    from specdec.testing import check_sampled_distribution
+
+    target, folder = setup
+    p = check_sampled_distribution(
+        target,
+        _policy(folder),
+        [1, 5, 9, 2],
+        temperature=1.0,
+        max_tokens=2,
+        n_samples=800,
+        require_drafts=False,
+    )
+    assert p > 1e-3
+
+
 def test_sampled_drafts_carry_q_and_keep_seeded_runs_reproducible(setup):
     target, folder = setup
     pipe = specdec.assemble(target, None, _policy(folder))
