@@ -101,7 +101,7 @@ from .roles import (
 from .sampling import Sampler
 from .stats import Stats
 
-__version__ = "0.3.6"
+__version__ = "0.3.7"
 
 __all__ = [
     # building and running a pipeline

@@ -143,3 +143,20 @@ def test_a_drafter_trained_for_seconds_drafts_blocks_that_are_accepted(setup, tm
     pol = _policy(out_dir)
     out = check_greedy_identity(target, pol, prompts[0], max_tokens_list=[8, 24, 40])
     assert out["accepted"] > out["runs"]  # more than one accepted token per run
+
+
+def test_a_request_from_a_prompt_cache_drafts_from_the_positions_it_prefilled(setup):
+    """A prompt cache holds the first tokens: the drafter's context starts at the first
+    position prefilled (no features for the cached ones), output still plain decoding's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    target, folder = setup
+    pipe = specdec.assemble(target, None, _policy(folder))
+    plain = specdec.assemble(target, None, "none")
+    prompt = [1, 5, 9, 2, 7, 3, 11, 4, 6, 8]
+    cache = make_prompt_cache(target)
+    target(mx.array(prompt[:6])[None], cache=cache)
+    out = pipe.generate(prompt, max_tokens=20, prompt_cache=cache)
+    assert out.tokens == plain.generate(prompt, max_tokens=20).tokens
+    assert out.stats.cached_tokens == 6 and out.stats.drafted > 0
+    assert out.stats.per_drafter["dflash"]["context_from"] == 6

@@ -189,3 +189,33 @@ def test_not_a_dflash_checkpoint_and_bad_weights_are_named(qwen3, tmp_path):
     (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashLoadError, match="shapes differ"):
         load_dflash(tmp_path / "b", qwen3)
+
+
+def test_the_training_forward_is_the_drafting_forward(qwen3, tmp_path):
+    """Blocks of the training forward (many anchors at once, their RoPE offsets an array,
+    the context masked to the positions before each anchor) equal the drafting forward of
+    a context cache holding the features before that anchor."""
+    from specdec_dflash.drafter import embeddings
+
+    cfg = tiny_config(qwen3, ids=(0, 1), block=5)
+    write_checkpoint(tmp_path, cfg, seed=4)
+    model, _ = load_dflash(tmp_path, qwen3)
+    rng = np.random.default_rng(1)
+    S, B = 14, cfg["block_size"]
+    feats = mx.array(rng.normal(size=(S, 2 * cfg["hidden_size"])).astype(np.float32))
+    tokens = mx.array(rng.integers(0, cfg["vocab_size"], size=S))
+    anchors = [2, 7, 12]
+    embed = embeddings(qwen3)
+    p = mx.array(anchors)
+    ids = mx.where(
+        mx.arange(B)[None] == 0, tokens[p][:, None], cfg["dflash_config"]["mask_token_id"]
+    )
+    ok = mx.arange(S)[None] < p[:, None]
+    mask = mx.concatenate([ok, mx.ones((len(anchors), B), dtype=mx.bool_)], axis=1)
+    mask = mx.broadcast_to(mask[:, None, None, :], (len(anchors), 1, B, S + B))
+    batched = model.forward(embed(ids), p, model.context(feats[None], 0), mask)
+    for row, a in enumerate(anchors):
+        caches = model.make_cache()
+        model.append_context(feats[None, :a], 0, caches)
+        alone = model(embed(ids[row])[None], a, caches)[0]
+        np.testing.assert_allclose(np.array(batched[row]), np.array(alone), atol=2e-5)

@@ -79,7 +79,13 @@ def read_config(folder: Path, target: Any) -> DFlashConfig:
     layers = _int(cfg, "num_hidden_layers", where)
     heads = _int(cfg, "num_attention_heads", where)
     kv = _int(cfg, "num_key_value_heads", where, default=heads)
-    head_dim = _int(cfg, "head_dim", where, default=hidden // heads if heads else 0)
+    if cfg.get("head_dim") is None:
+        cfg = {**cfg, "head_dim": hidden // heads if heads else 0}
+    head_dim = _int(cfg, "head_dim", where)
+    if cfg.get("rope_scaling"):
+        raise DFlashLoadError(
+            f"{where}: rope_scaling {cfg['rope_scaling']!r} is not supported (plain RoPE only)"
+        )
     if layers < 1 or heads < 1 or kv < 1 or heads % kv or head_dim < 1:
         raise DFlashLoadError(
             f"{where}: num_hidden_layers ({layers}), num_attention_heads ({heads}), "

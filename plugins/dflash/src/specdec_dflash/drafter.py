@@ -45,6 +45,8 @@ from specdec.options import Option, Options, non_empty
 from .checkpoint import DFlashLoadError, load_dflash
 
 NAME = "dflash"
+#: Declined rounds in a row after which a block is drafted anyway (a probe).
+PROBE_AFTER = 8
 
 #: The options of ``dflash`` (see the README).
 OPTIONS = Options(
@@ -175,14 +177,19 @@ class DFlashSession(BaseDrafterSession):
         self.gaps = 0
         self.broken = False
         self.sizes: dict[int, int] = {}
+        self.declined = 0  # rounds in a row the sizing declined
 
     # -- the context -------------------------------------------------------------------
 
-    def _features(self, layers: dict) -> mx.array | None:
-        try:
-            return mx.concatenate([layers[i] for i in self.ids], axis=-1)
-        except KeyError:
-            return None
+    def _features(self, layers: dict) -> mx.array:
+        missing = [i for i in self.ids if i not in layers]
+        if missing:
+            raise specdec.PolicyError(
+                f"{NAME}: the verifier's results lack the outputs of target layers {missing} "
+                "(its hidden_layers): use the 'hidden' verifier, with specdec-core >= 0.3.7 "
+                "(which binds it after the drafter loaded its checkpoint)"
+            )
+        return mx.concatenate([layers[i] for i in self.ids], axis=-1)
 
     def _add(self, start: int, rows: mx.array) -> None:
         have = self.fed + self.pending_n
@@ -212,11 +219,7 @@ class DFlashSession(BaseDrafterSession):
 
     def prefill(self, chunk: PrefillChunk) -> None:
         """Keep the chunk's features (the chosen layers' outputs) for the context."""
-        feats = self._features(chunk.result.layers)
-        if feats is None:
-            self.broken = True
-            return
-        self._add(chunk.start_position, feats)
+        self._add(chunk.start_position, self._features(chunk.result.layers))
 
     # -- the Drafter protocol ------------------------------------------------------------
 
@@ -229,7 +232,13 @@ class DFlashSession(BaseDrafterSession):
         accept = self.estimate.probs(limit)
         k = limit if self.d.sizing == "fixed" or self.cost is None else self._size(accept, n)
         if k < 1:
-            return None
+            # The estimates learn only from verified blocks: after PROBE_AFTER declined
+            # rounds a block is drafted anyway, so they can recover.
+            self.declined += 1
+            if self.declined < PROBE_AFTER:
+                return None
+            k = limit
+        self.declined = 0
         ids = mx.array([history[-1]] + [self.mask] * (self.block - 1))
         hidden = self.module(self.embed(ids)[None], n - 1, self.caches)[0, 1 : 1 + k]
         logits = self.head.logits(hidden, context=history)  # [k, V]
@@ -264,9 +273,8 @@ class DFlashSession(BaseDrafterSession):
             self.accepted += a
         self.last = None
         v = result.verify
-        feats = None if v is None else self._features(v.layers)
-        if feats is not None:
-            self._add(start - 1, feats[: result.n_accepted + 1])
+        if v is not None:
+            self._add(start - 1, self._features(v.layers)[: result.n_accepted + 1])
 
     def end(self) -> None:
         """Drop the context cache and pending features."""
