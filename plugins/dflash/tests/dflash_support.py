@@ -85,3 +85,30 @@ def write_checkpoint(
         )
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     return model
+
+
+def trained_drafter(target, folder: Path, out: Path, prompts, *, steps: int = 150, policy="none"):
+    """The drafter in ``folder`` self-distilled for seconds on ``target``'s greedy answers
+    to ``prompts`` (40 tokens each), saved to ``out``; returns the losses per step and
+    :func:`specdec_dflash.train.train_dflash`'s result."""
+    import specdec
+    from specdec_dflash import load_dflash
+    from specdec_dflash.train import DFlashTrainer, save_dflash, train_dflash
+
+    plain = specdec.assemble(target, None, policy)
+    seqs = [list(p) + plain.generate(list(p), max_tokens=40).tokens for p in prompts]
+    module, _ = load_dflash(folder, target)
+    losses: list[float] = []
+    result = train_dflash(
+        target,
+        DFlashTrainer(module, target, gamma=4.0, anchors=24),
+        seqs,
+        steps=steps,
+        lr=3e-3,
+        batch_size=1,
+        warmup=6,
+        held_out=seqs[-1:],
+        progress=lambda step, total, loss, held: losses.append(loss),
+    )
+    save_dflash(out, module)
+    return losses, result

@@ -219,3 +219,17 @@ def test_the_training_forward_is_the_drafting_forward(qwen3, tmp_path):
         model.append_context(feats[None, :a], 0, caches)
         alone = model(embed(ids[row])[None], a, caches)[0]
         np.testing.assert_allclose(np.array(batched[row]), np.array(alone), atol=2e-5)
+
+
+def test_the_step_cost_measurement_times_each_block_against_a_target_step(qwen3, tmp_path):
+    """``python -m specdec_dflash costs``' measurement: one median per block size and the
+    target step, interleaved (what it reports, not how fast anything is)."""
+    from specdec_dflash.costs import measure_step_costs
+
+    write_checkpoint(tmp_path, tiny_config(qwen3, ids=(0, 1), block=8))
+    module, _ = load_dflash(tmp_path, qwen3)
+    res = measure_step_costs(qwen3, module, context=24, blocks=(4, 8, 16), reps=2)
+    assert set(res["ms"]) == {"target_step", "draft_block_4", "draft_block_8", "draft_block_16"}
+    assert all(v > 0 for v in res["ms"].values())
+    assert res["fraction_of_target_step"]["target_step"] == 1.0
+    assert (res["context"], res["reps"], res["draft_layers"]) == (24, 2, 2)

@@ -41,20 +41,26 @@ def test_record_keeps_every_positions_kv_as_the_caches_hold_it(arch):
     assert any(specdec.kvview.kv_view(c).window for c in caches) == (arch == "gemma4")
 
 
-def test_batched_answers_record_each_rows_own_kv():
+def test_batched_answers_record_each_rows_own_kv_and_layer_outputs():
     model = make_tiny_model("llama")
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2], [9]]
     answers, states = batch_answers(
-        model, prompts, max_tokens=10, record=2, kv_layers=(0, 1), batch_size=3
+        model, prompts, max_tokens=10, record=2, kv_layers=(0, 1), layers=(1, 0), batch_size=3
     )
     for p, a, st in zip(prompts, answers, states):
         assert a == plain_greedy(model, p, 10)  # left padding changes nothing
-        ref = record(model, p + a, kv_layers=(0, 1))
+        ref = record(model, p + a, kv_layers=(0, 1), layers=(0, 1))
         n = st.hidden.shape[0]
         assert n == len(p + a) - 1
         for j in (0, 1):
             for got, want in zip(st.kv[j], ref.kv[j]):
                 assert got.shape == (n, *want.shape[1:])
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want[:n]), atol=1e-4)
+            # the decoder layers' outputs, each row's own, as one teacher-forced forward
+            assert st.layers[j].shape == (n, ref.layers[j].shape[-1])
+            np.testing.assert_allclose(
+                np.asarray(st.layers[j]), np.asarray(ref.layers[j][:n]), atol=1e-4
+            )
+        assert sorted(st.layers) == [0, 1] and not record(model, p).layers
     # a model with sliding-window caches cannot be batched this way: None (one by one)
     assert batch_answers(make_tiny_model("gemma4"), prompts, max_tokens=2) is None

@@ -6,6 +6,8 @@ outputs of some of the target's decoder layers. See the plugin's README.
 
 from __future__ import annotations
 
+import specdec  # noqa: F401  (first: it binds the fast BLAS before mlx is loaded)
+
 from .checkpoint import DFlashLoadError, load_dflash, read_config
 from .drafter import NAME, DFlashDrafter, DFlashSession, create_dflash
 from .model import DFlashConfig, DFlashModel, default_layer_ids

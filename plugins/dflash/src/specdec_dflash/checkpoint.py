@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 import specdec
+import specdec.checkpoints
 from specdec.heads import model_vocab_size
 
 from .model import DFlashConfig, DFlashModel, default_layer_ids
@@ -144,6 +145,12 @@ def read_config(folder: Path, target: Any) -> DFlashConfig:
         raise DFlashLoadError(
             f"{where}: mask_token_id {mask} is outside the vocabulary (0 .. {vocab - 1})"
         )
+    trained_for = cfg.get(specdec.checkpoints.TARGET_FIELD)
+    if isinstance(trained_for, dict):  # a drafter from specdec train-dflash
+        diff = specdec.checkpoints.identity_mismatch(trained_for, target)
+        if diff:
+            said = ", ".join(f"{k} {a!r}, this one {b!r}" for k, (a, b) in diff.items())
+            raise DFlashLoadError(f"{where}: the drafter was trained for another model ({said})")
     theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6))
     return DFlashConfig(
         hidden_size=hidden,

@@ -68,7 +68,10 @@ OPTIONS = Options(
 
 
 def embeddings(model: Any) -> Any:
-    """The target's token embedding layer."""
+    """The target's token embedding as its decoder layers see it: the embedding layer,
+    times ``sqrt(hidden_size)`` (rounded to bfloat16, as mlx-lm's Gemma models do) for
+    targets that scale their embeddings (``model_type`` ``gemma*``; mlx-vlm's DFlash
+    applies the target's embedding scale too)."""
     inner = getattr(model, "language_model", model)
     embed = getattr(getattr(inner, "model", None), "embed_tokens", None)
     if embed is None:
@@ -76,7 +79,16 @@ def embeddings(model: Any) -> Any:
             f"{NAME}: {type(model).__module__} has no model.embed_tokens: the drafter embeds "
             "its block with the target's embeddings"
         )
-    return embed
+    kind = str(getattr(inner, "model_type", None) or getattr(model, "model_type", "") or "")
+    if not kind.startswith("gemma"):
+        return embed
+    scale = mx.array(inner.args.hidden_size**0.5, mx.bfloat16)
+
+    def scaled(ids: mx.array) -> mx.array:
+        h = embed(ids)
+        return h * scale.astype(h.dtype)
+
+    return scaled
 
 
 class DFlashDrafter(BaseDrafter):
@@ -100,7 +112,7 @@ class DFlashDrafter(BaseDrafter):
 
     name = NAME
     needs = frozenset({"layer_hidden"})
-    supports_batch = False
+    supports_batch = True
 
     def __init__(self, **options: Any) -> None:
         o = OPTIONS.parse(options)
@@ -178,6 +190,7 @@ class DFlashSession(BaseDrafterSession):
         self.broken = False
         self.sizes: dict[int, int] = {}
         self.declined = 0  # rounds in a row the sizing declined
+        self.declined_total = 0
 
     # -- the context -------------------------------------------------------------------
 
@@ -236,6 +249,7 @@ class DFlashSession(BaseDrafterSession):
             # rounds a block is drafted anyway, so they can recover.
             self.declined += 1
             if self.declined < PROBE_AFTER:
+                self.declined_total += 1
                 return None
             k = limit
         self.declined = 0
@@ -288,6 +302,7 @@ class DFlashSession(BaseDrafterSession):
             "dflash_rounds": self.rounds,
             "dflash_proposed": self.proposed,
             "dflash_accepted": self.accepted,
+            "dflash_declined": self.declined_total,
             "sizes": dict(sorted(self.sizes.items())),
             "acceptance": self.estimate.to_dict(self.block - 1),
             "context_from": self.first,

@@ -154,7 +154,8 @@ class _Layer(nn.Module):
     def __call__(
         self, x: mx.array, offset: Any, ctx: tuple, mask: mx.array | None = None
     ) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), offset, *ctx, mask)
+        ctx_k, ctx_v = ctx
+        h = x + self.self_attn(self.input_layernorm(x), offset, ctx_k, ctx_v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -1,4 +1,5 @@
-"""Self-distilling a DFlash drafter on the target's own text: the block loss.
+"""Self-distilling a DFlash drafter on the target's own text: the block loss and the
+training loop of ``specdec train-dflash``.
 
 The recipe is SpecForge's (``specforge/core/dflash.py``, aligned with the DFlash paper)
 with ModelOpt's self-distillation loss (``hf_dflash.py``), see ``docs/notes/dflash.md``:
@@ -9,44 +10,280 @@ with ModelOpt's self-distillation loss (``hf_dflash.py``), see ``docs/notes/dfla
   features of positions **before** ``p`` (the anchor's own features do not exist when
   drafting) and itself (no causal mask), never another block.
 - **Loss.** Slot ``k >= 1`` is scored against the target's distribution at ``p + k - 1``
-  (its next-token distribution for ``x[p + k]``): soft cross-entropy (KL up to a
-  constant), weighted by ``exp(-(k - 1) / gamma)``, a weighted mean over the slots whose
-  token is in the sequence.
+  (its next-token distribution for ``x[p + k]``): KL divergence (soft cross-entropy up
+  to a constant), weighted by ``exp(-(k - 1) / gamma)``, a weighted mean over the slots
+  whose token is in the sequence. Where the target's output layer is affine, the KL is
+  over a candidate set (the target's ``candidates`` most likely tokens at every scored
+  position plus ``negatives`` uniform tokens; specdec-train's ``sampled`` loss), else
+  over the whole vocabulary.
 
-Everything the target computed comes from one forward per sequence
-(:func:`sequence_record`): the chosen layers' outputs and its logits. The target stays
-frozen; the drafter's embeddings and output layer are the target's.
+What the target computed comes from one teacher-forced forward per sequence
+(:func:`record_sequence`): the chosen layers' outputs, its final hidden states and its
+most likely tokens. The target stays frozen; the drafter's embeddings and output layer
+are the target's.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from specdec.heads import output_layer
 from specdec.verifiers import HiddenStateVerifier
 
 from .drafter import embeddings
-from .model import DFlashModel
+from .model import DFlashConfig, DFlashModel
 
-__all__ = ["block_loss", "sequence_record", "train_blocks"]
+__all__ = [
+    "DFlashTrainer",
+    "SequenceRecord",
+    "block_loss",
+    "block_positions",
+    "config_dict",
+    "from_recorded",
+    "new_dflash",
+    "record_sequence",
+    "save_dflash",
+    "train_dflash",
+]
 
 
-def sequence_record(target: Any, seq: Sequence[int], layer_ids: Sequence[int]) -> tuple:
-    """The target's context features ``[S, k * H]`` (the outputs of ``layer_ids``,
-    concatenated) and its logits ``[S, V]`` over ``seq``, from one forward."""
+# -- a new drafter and its checkpoint ----------------------------------------------------
+
+
+def new_dflash(
+    model: Any,
+    *,
+    layers: int = 1,
+    block_size: int = 8,
+    target_layer_ids: Sequence[int],
+    mask_token_id: int,
+    seed: int = 0,
+    init: str = "target",
+) -> DFlashModel:
+    """A new drafter for ``model``: draft layers shaped like the target's (its attention
+    heads, head size, MLP width, RoPE base), ``fc`` reading the outputs of
+    ``target_layer_ids``.
+
+    Args:
+        init: ``"target"``: each draft layer starts as a copy of one of the target's last
+            decoder layers (the weights of the same name and shape; ``q_norm`` / ``k_norm``
+            at one), the final norm as the target's, and ``fc`` passing the last id's
+            features through (identity on their slice, zero elsewhere); ``"random"``:
+            MLX's default initialisation (the published recipe trains from scratch).
+    """
+    from mlx.utils import tree_flatten
+
+    from .checkpoint import target_shape
+
+    if init not in ("target", "random"):
+        raise ValueError(f"init must be 'target' or 'random', got {init!r}")
+    inner = getattr(model, "language_model", model)
+    args = inner.args
+    hidden, n_target, vocab = target_shape(model)
+    heads = int(args.num_attention_heads)
+    cfg = DFlashConfig(
+        hidden_size=int(hidden or args.hidden_size),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(args, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(args, "head_dim", None) or args.hidden_size // heads),
+        intermediate_size=int(args.intermediate_size),
+        rms_norm_eps=float(getattr(args, "rms_norm_eps", 1e-6)),
+        rope_theta=float(getattr(args, "rope_theta", 10000.0)),
+        vocab_size=int(vocab or args.vocab_size),
+        attention_bias=False,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(int(i) for i in target_layer_ids),
+        num_target_layers=n_target,
+    )
+    mx.random.seed(seed)
+    module = DFlashModel(cfg)
+    if init == "target":
+        mine = dict(tree_flatten(module.parameters()))
+        backbone = inner.model
+        donors = backbone.layers[-layers:]
+        take = {}
+        for i, donor in enumerate(donors):
+            for name, w in tree_flatten(donor.parameters()):
+                key = f"layers.{i}.{name}"
+                if key in mine and tuple(mine[key].shape) == tuple(w.shape):
+                    take[key] = w.astype(mx.float32)
+        norm = getattr(getattr(backbone, "norm", None), "weight", None)
+        if norm is not None and tuple(norm.shape) == tuple(mine["norm.weight"].shape):
+            take["norm.weight"] = norm.astype(mx.float32)
+        H, k = cfg.hidden_size, len(cfg.target_layer_ids)
+        eye = mx.eye(H)
+        take["fc.weight"] = mx.concatenate(
+            [mx.zeros((H, (k - 1) * H)), eye], axis=1
+        )  # the last id's features through
+        module.load_weights(list(take.items()), strict=False)
+    mx.eval(module.parameters())
+    return module
+
+
+def config_dict(config: DFlashConfig) -> dict:
+    """``config.json`` in the published layout (z-lab's drafters: a Qwen3 config with
+    ``block_size``, ``num_target_layers`` and ``dflash_config``)."""
+    c = config
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "vocab_size": c.vocab_size,
+        "attention_bias": c.attention_bias,
+        "tie_word_embeddings": False,
+        "block_size": c.block_size,
+        "num_target_layers": c.num_target_layers,
+        "dflash_config": {
+            "mask_token_id": c.mask_token_id,
+            "target_layer_ids": list(c.target_layer_ids),
+        },
+    }
+
+
+def save_dflash(
+    folder: str | Path, module: DFlashModel, *, extra_config: dict | None = None
+) -> Path:
+    """Write ``module`` to ``folder`` in the published layout (``config.json``,
+    ``model.safetensors``), with ``extra_config`` added to the config."""
+    from mlx.utils import tree_flatten
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(module.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    cfg = {**config_dict(module.config), **(extra_config or {})}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+# -- what the target computed ------------------------------------------------------------
+
+
+class SequenceRecord:
+    """What the target computed over one sequence (one teacher-forced forward).
+
+    Attributes:
+        tokens: ``[S]``.
+        features: ``[S, k * H]`` float16: the outputs of the drafter's target layers.
+        hidden: ``[S, H]`` float16: the final hidden states (after the final norm).
+        top_ids: ``[S, c]``: the target's ``c`` most likely next tokens per position.
+        top1: ``[S]``: its argmax per position.
+    """
+
+    __slots__ = ("tokens", "features", "hidden", "top_ids", "top1")
+
+    def __init__(self, tokens, features, hidden, top_ids, top1) -> None:
+        self.tokens, self.features, self.hidden = tokens, features, hidden
+        self.top_ids, self.top1 = top_ids, top1
+
+
+def record_sequence(
+    model: Any, seq: Sequence[int], layer_ids: Sequence[int], *, top_k: int = 8
+) -> SequenceRecord:
+    """One forward of ``model`` over ``seq`` through the ``hidden`` verifier (the path
+    that feeds the drafter when it drafts)."""
     v = HiddenStateVerifier(layers=list(layer_ids))
-    v.bind(target, layers=tuple(layer_ids))
-    vr = v.verify(target, mx.array(list(seq)), make_prompt_cache(target))
-    feats = mx.concatenate([vr.layers[i] for i in layer_ids], axis=-1)
-    mx.eval(feats, vr.logits)
-    return mx.stop_gradient(feats), mx.stop_gradient(vr.logits)
+    v.bind(model, layers=tuple(layer_ids))
+    vr = v.verify(model, mx.array(list(seq)), make_prompt_cache(model))
+    feats = mx.concatenate([vr.layers[i] for i in layer_ids], axis=-1).astype(mx.float16)
+    logits = vr.logits.astype(mx.float32)
+    k = max(1, min(top_k, logits.shape[-1]))
+    top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    rec = SequenceRecord(
+        mx.array(list(seq)),
+        feats,
+        vr.hidden.astype(mx.float16),
+        top_ids,
+        mx.argmax(logits, axis=-1),
+    )
+    mx.eval(rec.tokens, rec.features, rec.hidden, rec.top_ids, rec.top1)
+    return rec
+
+
+def from_recorded(
+    seq: Sequence[int], state: Any, layer_ids: Sequence[int]
+) -> SequenceRecord | None:
+    """A :class:`SequenceRecord` from what ``specdec_train.batch_answers`` recorded while
+    the target wrote ``seq`` (``None`` when it lacks the outputs of ``layer_ids``). The
+    last token of an answer was never fed, so the record may be one position short: the
+    sequence is cut to it."""
+    if state is None or any(i not in state.layers for i in layer_ids):
+        return None
+    n = min(len(seq), int(state.hidden.shape[0]))
+    rec = SequenceRecord(
+        mx.array(list(seq[:n])),
+        mx.concatenate([state.layers[i][:n] for i in layer_ids], axis=-1).astype(mx.float16),
+        state.hidden[:n].astype(mx.float16),
+        mx.contiguous(state.top_ids[:n]),
+        state.top1[:n],
+    )
+    mx.eval(rec.tokens, rec.features, rec.hidden, rec.top_ids, rec.top1)
+    return rec
+
+
+# -- the block loss ----------------------------------------------------------------------
+
+
+def block_positions(block: int, length: int, anchors: Sequence[int]) -> tuple:
+    """For blocks at ``anchors`` of a sequence of ``length``: ``at`` ``[N, B - 1]`` (the
+    position whose next-token distribution scores each slot, clamped into the sequence)
+    and ``valid`` ``[N, B - 1]`` (1.0 where the slot's token is in the sequence)."""
+    p = mx.array(list(anchors))
+    pos = p[:, None] + mx.arange(1, block)[None]
+    valid = (pos < length).astype(mx.float32)
+    return mx.minimum(pos - 1, length - 1), valid
+
+
+def _blocks(
+    module: DFlashModel,
+    embed: Callable[[mx.array], mx.array],
+    features: mx.array,
+    tokens: mx.array,
+    anchors: Sequence[int],
+) -> mx.array:
+    """The draft's hidden states ``[N, B, H]`` for blocks at ``anchors``, each seeing the
+    context before its anchor and the whole of itself."""
+    c = module.config
+    B, S = c.block_size, int(tokens.shape[0])
+    p = mx.array(list(anchors))
+    n = len(anchors)
+    contexts = module.context(features[None], 0)  # every layer's K/V of 0 .. S-1
+    slots = mx.arange(B)
+    block_ids = mx.where(slots[None] == 0, tokens[p][:, None], c.mask_token_id)  # [N, B]
+    ctx_ok = mx.arange(S)[None] < p[:, None]  # [N, S]
+    mask = mx.concatenate([ctx_ok, mx.ones((n, B), dtype=mx.bool_)], axis=1)
+    mask = mx.broadcast_to(mask[:, None, None, :], (n, 1, B, S + B))
+    return module.forward(embed(block_ids), p, contexts, mask)
+
+
+def _slot_weights(block: int, gamma: float) -> mx.array:
+    return mx.exp(-(mx.arange(1, block).astype(mx.float32) - 1) / gamma)[None]
+
+
+def _kl(teacher: mx.array, draft: mx.array) -> mx.array:
+    lt = teacher - mx.logsumexp(teacher, axis=-1, keepdims=True)
+    ld = draft - mx.logsumexp(draft, axis=-1, keepdims=True)
+    return (mx.exp(lt) * (lt - ld)).sum(axis=-1)
 
 
 def block_loss(
@@ -60,8 +297,8 @@ def block_loss(
     *,
     gamma: float = 4.0,
 ) -> tuple[mx.array, mx.array]:
-    """The weighted soft cross-entropy of one sequence's blocks, and their slots' top-1
-    agreement with the target (``[B - 1]``, for the held-out figures).
+    """The weighted KL of one sequence's blocks over the whole vocabulary, and their
+    slots' top-1 agreement with the target (``[B - 1]``).
 
     Args:
         module: the drafter.
@@ -73,85 +310,274 @@ def block_loss(
         anchors: block starts, each ``<= S - 2``.
         gamma: the decay of the slot weights.
     """
-    c = module.config
-    B, S = c.block_size, int(tokens.shape[0])
-    p = mx.array(list(anchors))
-    n = len(anchors)
-    contexts = module.context(features[None], 0)  # every layer's K/V of 0 .. S-1
-    slots = mx.arange(B)
-    block_ids = mx.where(slots[None] == 0, tokens[p][:, None], c.mask_token_id)  # [N, B]
-    # each block sees the context before its anchor and the whole of itself
-    ctx_ok = mx.arange(S)[None] < p[:, None]  # [N, S]
-    mask = mx.concatenate([ctx_ok, mx.ones((n, B), dtype=mx.bool_)], axis=1)
-    mask = mx.broadcast_to(mask[:, None, None, :], (n, 1, B, S + B))
-    hidden = module.forward(embed(block_ids), p, contexts, mask)  # [N, B, H]
-    pos = p[:, None] + slots[None, 1:]  # the token each slot predicts: [N, B-1]
-    valid = (pos < S).astype(mx.float32)
-    at = mx.minimum(pos - 1, S - 1)
-    teach = teacher[at]  # [N, B-1, V]: the target's distribution for x[pos]
+    B, S = module.config.block_size, int(tokens.shape[0])
+    hidden = _blocks(module, embed, features, tokens, anchors)
+    at, valid = block_positions(B, S, anchors)
+    teach = teacher[at]  # [N, B-1, V]
     draft = logits_of(hidden[:, 1:])
-    ce = -mx.sum(mx.softmax(teach, axis=-1) * nn.log_softmax(draft, axis=-1), axis=-1)
-    w = mx.exp(-(slots[1:].astype(mx.float32) - 1) / gamma)[None] * valid
-    loss = mx.sum(ce * w) / mx.maximum(mx.sum(w), 1e-9)
+    w = _slot_weights(B, gamma) * valid
+    loss = mx.sum(_kl(teach, draft) * w) / mx.maximum(mx.sum(w), 1e-9)
     agree = (mx.argmax(draft, axis=-1) == mx.argmax(teach, axis=-1)).astype(mx.float32) * valid
     return loss, mx.sum(agree, axis=0) / mx.maximum(mx.sum(valid, axis=0), 1.0)
 
 
-def train_blocks(
-    module: DFlashModel,
-    target: Any,
+# -- the trainer -------------------------------------------------------------------------
+
+
+class DFlashTrainer:
+    """A DFlash drafter and what its training reads of the target.
+
+    Args:
+        module: the drafter (trained in place).
+        model: the target.
+        gamma: the decay of the slot weights (the published recipe: 7 for blocks of 16,
+            5 for 10, 4 for 8).
+        anchors: blocks per sequence per step.
+    """
+
+    kv_layers: tuple = ()
+
+    def __init__(self, module: DFlashModel, model: Any, *, gamma: float, anchors: int) -> None:
+        from specdec_train import TargetOutput
+
+        self.module = module
+        self.embed = embeddings(model)
+        self.out = TargetOutput(model)
+        self.full = output_layer(model).logits
+        self.gamma = gamma
+        self.anchors = anchors
+        self.layer_ids = tuple(module.config.target_layer_ids)
+        #: read by specdec_train.run_training: the answers are recorded with these
+        self.feature_layers = self.layer_ids
+
+    def draft_logits(self, hidden: mx.array, ids: mx.array | None = None) -> mx.array:
+        """The drafter's logits of ``hidden`` through the target's output layer (over
+        ``ids`` only where given: an affine output layer)."""
+        if ids is None:
+            return self.full(hidden).astype(mx.float32)
+        return self.out.logits(hidden, ids)
+
+    def teacher_logits(self, rec: SequenceRecord, at: mx.array, ids: mx.array | None) -> mx.array:
+        h = rec.hidden[at].astype(mx.float32)
+        return self.draft_logits(h, ids)
+
+    def loss(
+        self,
+        module: DFlashModel,
+        batch: Sequence[tuple[SequenceRecord, list[int]]],
+        ids: mx.array | None,
+    ) -> mx.array:
+        """The weighted KL over a minibatch of ``(record, anchors)`` (over ``ids`` or
+        the whole vocabulary)."""
+        total = mx.array(0.0)
+        weight = mx.array(0.0)
+        B = module.config.block_size
+        for rec, anchors in batch:
+            S = int(rec.tokens.shape[0])
+            hidden = _blocks(
+                module, self.embed, rec.features.astype(mx.float32), rec.tokens, anchors
+            )
+            at, valid = block_positions(B, S, anchors)
+            kl = _kl(
+                mx.stop_gradient(self.teacher_logits(rec, at, ids)),
+                self.draft_logits(hidden[:, 1:], ids),
+            )
+            w = _slot_weights(B, self.gamma) * valid
+            total = total + mx.sum(kl * w)
+            weight = weight + mx.sum(w)
+        return total / mx.maximum(weight, 1e-9)
+
+    def positions(self, records: Sequence[SequenceRecord], per_sequence: int = 64) -> list[float]:
+        """Greedy acceptance per block position on ``records``: of blocks at up to
+        ``per_sequence`` evenly spread anchors per sequence, the share whose drafts
+        ``1 .. k`` all equal the target's argmax (``B - 1`` values)."""
+        B = self.module.config.block_size
+        reached = np.zeros(B - 1)
+        accepted = np.zeros(B - 1)
+        for rec in records:
+            S = int(rec.tokens.shape[0])
+            if S < 2:
+                continue
+            step = max(1, (S - 1) // per_sequence)
+            anchors = list(range(0, S - 1, step))[:per_sequence]
+            hidden = _blocks(
+                self.module, self.embed, rec.features.astype(mx.float32), rec.tokens, anchors
+            )
+            at, valid = block_positions(B, S, anchors)
+            pred = mx.argmax(self.draft_logits(hidden[:, 1:]), axis=-1)
+            ok = (pred == rec.top1[at]).astype(mx.float32) * valid
+            run = np.cumprod(np.asarray(ok), axis=1)
+            reached += np.asarray(valid).sum(axis=0)
+            accepted += run.sum(axis=0)
+        return [round(float(a / r), 4) if r else float("nan") for a, r in zip(accepted, reached)]
+
+
+def train_dflash(
+    model: Any,
+    trainer: DFlashTrainer,
     sequences: Sequence[Sequence[int]],
     *,
-    steps: int,
-    lr: float = 6e-4,
-    anchors_per_sequence: int = 32,
-    gamma: float = 4.0,
+    steps: int = 300,
+    lr: float = 1e-3,
     seed: int = 0,
-    on_step: Callable[[int, float], None] | None = None,
-) -> list[float]:
-    """Train ``module`` on ``sequences`` (the target's own text) for ``steps`` steps of
-    one sequence each (AdamW, warm-up then cosine); returns the losses."""
-    from mlx.utils import tree_flatten
+    start_step: int = 0,
+    batch_size: int = 8,
+    loss: str = "auto",
+    candidates: int = 8,
+    negatives: int = 1024,
+    warmup: int = 20,
+    time_limit: float | None = None,
+    states: Any = None,
+    held_out_states: Any = None,
+    held_out: Sequence[Sequence[int]] = (),
+    eval_every: int = 0,
+    progress: Callable[[int, int, float, float | None], None] | None = None,
+    checkpoint: Callable[[int, Any], None] | None = None,
+    checkpoint_every: int = 0,
+    name: str = "train-dflash",
+    on_prepare: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Fit ``trainer.module`` to ``model``'s distribution over blocks of ``sequences``:
+    ``specdec_train.train_head``'s arguments and result (a ``TrainCommand.train``).
 
-    c = module.config
-    embed = embeddings(target)
-    out = output_layer(target).logits  # the target's own output path
-    rng = random.Random(seed)
-    records = [sequence_record(target, s, c.target_layer_ids) for s in sequences]
-    warm = max(1, steps // 25)
-    schedule = optim.join_schedules(
-        [optim.linear_schedule(lr / 10, lr, warm), optim.cosine_decay(lr, max(1, steps - warm))],
-        [warm],
-    )
-    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+    A step is ``batch_size`` sequences (a seeded shuffled order, epoch after epoch), each
+    with ``trainer.anchors`` blocks at random anchors; AdamW (no weight decay), linear
+    warm-up over ``warmup`` steps then cosine decay to a tenth, gradients clipped to norm
+    1. ``states`` and ``held_out_states`` are not used: the outputs of the drafter's
+    ``states`` and ``held_out_states`` (``specdec_train.Recorded``, as
+    ``batch_answers`` records them with ``layers``) give what the target computed; a
+    sequence without one (or without the outputs of the drafter's target layers) is
+    recorded here, one forward (``on_prepare(done, total)`` after each). A resumed run
+    (``start_step``) draws a fresh seeded order.
 
-    def loss_fn(m: DFlashModel, feats, toks, teach, anchors):
-        return block_loss(m, embed, out, feats, toks, teach, anchors, gamma=gamma)[0]
+    Returns:
+        ``train_head``'s keys (``top1`` / ``held_out_top1``: the first draft's greedy
+        acceptance) and ``position_acceptance`` / ``held_out_position_acceptance``: the
+        greedy acceptance per block position (drafts ``1 .. k`` all right).
 
-    grad = nn.value_and_grad(module, loss_fn)
-    losses = []
-    for step in range(steps):
-        i = rng.randrange(len(sequences))
-        seq = list(sequences[i])
-        feats, teach = records[i]
-        usable = list(range(0, len(seq) - 1))
-        if not usable:
-            continue
-        anchors = sorted(rng.sample(usable, min(anchors_per_sequence, len(usable))))
-        loss, grads = grad(module, feats, mx.array(seq), teach, anchors)
-        flat = tree_flatten(grads)
-        norm = math.sqrt(sum(float(mx.sum(g * g)) for _, g in flat)) if flat else 0.0
-        if norm > 1.0:  # clip at 1.0
-            grads = _scale(grads, 1.0 / norm)
+    Raises:
+        ValueError: no sequence of 3 or more tokens, ``steps <= start_step``, a bad
+            ``loss``, or ``loss="sampled"`` for an output layer that is not affine.
+    """
+    import mlx.optimizers as optim
+
+    seqs = [list(s) for s in sequences if len(s) >= 3]
+    if not seqs:
+        raise ValueError(f"{name}: give at least one sequence of 3 or more tokens")
+    if steps < 1 or steps <= start_step:
+        raise ValueError(
+            f"{name}: steps must be >= 1 and above start_step ({start_step}), got {steps}"
+        )
+    if loss not in ("auto", "sampled", "full"):
+        raise ValueError(f"{name}: loss must be auto, sampled or full, got {loss!r}")
+    if loss == "sampled" and not trainer.out.affine:
+        raise ValueError(
+            f"{name}: loss 'sampled' needs an affine output layer and this model's is not "
+            "(e.g. soft-capped logits); use 'full' or 'auto'"
+        )
+    sampled = trainer.out.affine and loss != "full"
+    if states is not None and len(states) != len(sequences):
+        raise ValueError(f"{name}: {len(states)} states for {len(sequences)} sequences")
+    if held_out_states is not None and len(held_out_states) != len(held_out):
+        raise ValueError(
+            f"{name}: {len(held_out_states)} states for {len(held_out)} held-out sequences"
+        )
+    t_prepare = time.perf_counter()
+    every = [
+        (list(s), None if sts is None else sts[i])
+        for group, sts in ((sequences, states), (held_out, held_out_states))
+        for i, s in enumerate(group)
+        if len(s) >= 3
+    ]
+    records = []
+    for i, (s, st) in enumerate(every):
+        rec = from_recorded(s, st, trainer.layer_ids)
+        if rec is None or int(rec.tokens.shape[0]) < 3:
+            rec = record_sequence(model, s, trainer.layer_ids, top_k=candidates)
+        records.append(rec)
+        if on_prepare is not None:
+            on_prepare(i + 1, len(every))
+    data, held = records[: len(seqs)], records[len(seqs) :]
+    prepare_seconds = time.perf_counter() - t_prepare
+    module = trainer.module
+    module.train()
+    rng = random.Random(seed * 1_000_003 + start_step)
+    nprng = np.random.default_rng(seed + start_step)
+    mx.random.seed(seed + start_step)
+    opt = optim.AdamW(learning_rate=lr, weight_decay=0.0)
+    grad = nn.value_and_grad(module, trainer.loss)
+    vocab = trainer.out.vocab
+    order: list[int] = []
+    t0 = time.perf_counter()
+
+    def lr_at(step: int) -> float:
+        warm = min(1.0, step / max(1, warmup))
+        frac = min(1.0, (step - 1) / max(1, steps - 1))
+        if time_limit:
+            frac = max(frac, min(1.0, (time.perf_counter() - t0) / time_limit))
+        return lr * warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+    first = last = None
+    held_top = None
+    done = start_step
+    stopped_by_time = False
+    for i in range(start_step, steps):
+        step = i + 1
+        batch = []
+        for _ in range(min(batch_size, len(data))):
+            if not order:
+                order = list(range(len(data)))
+                rng.shuffle(order)
+            rec = data[order.pop()]
+            usable = int(rec.tokens.shape[0]) - 1
+            batch.append((rec, sorted(rng.sample(range(usable), min(trainer.anchors, usable)))))
+        ids = None
+        if sampled:
+            cand = [
+                np.asarray(
+                    rec.top_ids[
+                        block_positions(module.config.block_size, int(rec.tokens.shape[0]), a)[0]
+                    ]
+                ).reshape(-1)
+                for rec, a in batch
+            ]
+            if negatives:
+                cand.append(nprng.integers(0, vocab, size=negatives))
+            ids = mx.array(np.unique(np.concatenate(cand)).astype(np.int32))
+        opt.learning_rate = lr_at(step)
+        value, grads = grad(module, batch, ids)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(module, grads)
-        mx.eval(module.parameters(), opt.state)
-        losses.append(float(loss))
-        if on_step is not None:
-            on_step(step, losses[-1])
-    return losses
-
-
-def _scale(tree: Any, f: float) -> Any:
-    from mlx.utils import tree_map
-
-    return tree_map(lambda g: g * f, tree)
+        mx.eval(module.parameters(), opt.state, value)
+        last = float(value)
+        first = last if first is None else first
+        done = step
+        if held and eval_every and (step % eval_every == 0 or step == steps):
+            module.eval()
+            held_top = trainer.positions(held)
+            module.train()
+        if progress is not None:
+            progress(step, steps, last, None if held_top is None else held_top[0])
+        if checkpoint is not None and checkpoint_every and step % checkpoint_every == 0:
+            checkpoint(step, module)
+        if time_limit is not None and time.perf_counter() - t0 >= time_limit and step < steps:
+            stopped_by_time = True
+            break
+    train_seconds = time.perf_counter() - t0
+    module.eval()
+    if held and (held_top is None or stopped_by_time or done % max(1, eval_every)):
+        held_top = trainer.positions(held)
+    mine = trainer.positions(data[:32])
+    return {
+        "steps": done,
+        "first_loss": first,
+        "last_loss": last,
+        "loss": "sampled" if sampled else "full",
+        "top1": mine[0],
+        "held_out_top1": None if held_top is None else held_top[0],
+        "position_acceptance": mine,
+        "held_out_position_acceptance": held_top,
+        "train_seconds": round(train_seconds, 1),
+        "prepare_seconds": round(prepare_seconds, 1),
+        "stopped_by_time": stopped_by_time,
+    }

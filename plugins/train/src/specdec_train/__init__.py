@@ -39,7 +39,7 @@ from .command import (
 from .loop import LOSSES, HeadTrainer, agreement, train_head
 from .recording import Recorded, TargetOutput, batch_answers, record, target_hidden
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "DATA_FILE",

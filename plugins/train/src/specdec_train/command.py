@@ -52,12 +52,18 @@ class TrainCommand:
         save: ``save(out, model, module, identity)``: write the head to ``out`` with the
             target's identity (:data:`specdec.checkpoints.TARGET_FIELD`) in its config.
         usage: ``usage(out)``: what to print on stdout at the end (how to use the head).
+        train: the training loop, called as :func:`specdec_train.train_head` is (the same
+            arguments, the same keys in the dict it returns; keys of its own go to the
+            summary too); ``None``: :func:`train_head`. For a head that does not learn
+            ``x[t+2]`` from the target's state at ``t+1`` (a DFlash drafter learns
+            blocks).
     """
 
     name: str
     make_trainer: Callable[[Any, Any, Any], Any]
     save: Callable[[Any, Any, Any, dict], None]
     usage: Callable[[Any], str]
+    train: Callable[..., dict] | None = None
 
 
 def add_training_arguments(p: Any, *, lr: float = 1e-3) -> None:
@@ -309,7 +315,12 @@ def _eos_ids(tokenizer: Any) -> list[int]:
 
 
 def _make_data(
-    args: Any, pipe: Any, show: bool, command: str, kv_layers: Sequence[int]
+    args: Any,
+    pipe: Any,
+    show: bool,
+    command: str,
+    kv_layers: Sequence[int],
+    layers: Sequence[int] = (),
 ) -> tuple[dict, tuple[list, list]]:
     """The model's answers: ``--answers`` per prompt (the first greedy), whole prompts held
     out (their answers are alike, so a held-out answer of a trained prompt would flatter)."""
@@ -337,6 +348,7 @@ def _make_data(
             seed=args.seed + a,
             record=args.candidates,
             kv_layers=kv_layers,
+            layers=layers,
             on_batch=bar.advance,
         )
         got: list[list[int]]
@@ -423,6 +435,8 @@ def run_training(args: Any, command: TrainCommand) -> int:
             (out / name).unlink(missing_ok=True)
         t_data = time.perf_counter()
         kv_layers = tuple(getattr(trainer, "kv_layers", ()) or ())
+        # the outputs of decoder layers a head is conditioned on (a DFlash drafter's)
+        layers = tuple(getattr(trainer, "feature_layers", ()) or ())
         if getattr(args, "data", None) is not None:
             # the target's states are recorded again, one teacher-forced forward each
             data = _read_data(args.data)
@@ -432,7 +446,9 @@ def run_training(args: Any, command: TrainCommand) -> int:
                     f"--data {args.data!r} has token ids outside this model's vocabulary"
                 )
         else:
-            data, (states, held_states) = _make_data(args, pipe, show, command.name, kv_layers)
+            data, (states, held_states) = _make_data(
+                args, pipe, show, command.name, kv_layers, layers
+            )
         data_seconds = round(time.perf_counter() - t_data, 1)
         (out / DATA_FILE).write_text(json.dumps(data) + "\n")
 
@@ -459,8 +475,9 @@ def run_training(args: Any, command: TrainCommand) -> int:
         else:
             bar.label = label
 
+    loop = command.train or train_head
     try:
-        st = train_head(
+        st = loop(
             model,
             trainer,
             data["train"],

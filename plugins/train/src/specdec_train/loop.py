@@ -53,6 +53,10 @@ class HeadTrainer(Protocol):
         kv_layers: indices of the target caches whose K/V the head reads (``()``: none);
             :func:`record` keeps them for every sequence.
 
+    Optional (read by :func:`specdec_train.run_training`): ``feature_layers``, indices of
+    the decoder layers whose outputs the head is conditioned on; the model's answers are
+    recorded with them (``Recorded.layers``).
+
     Optional:
         ``logits(module, o, ids=None) -> [..., V or len(ids)]``: the head's own output
         layer, for a head whose output ``o`` is not a state in the target's hidden space

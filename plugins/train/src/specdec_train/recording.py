@@ -24,37 +24,55 @@ class Recorded:
         top1: ``[n]`` the argmax at each position.
         kv: ``{cache index: (keys, values)}``, each ``[n, kv_heads, head_dim]``
             (position first), for the caches asked for (``kv_layers``); empty otherwise.
+        layers: ``{layer index: [n, H]}``: the outputs of the decoder layers asked for
+            (``layers``, in the model's dtype; since 0.1.1); empty otherwise.
     """
 
-    __slots__ = ("hidden", "top_ids", "top1", "kv")
+    __slots__ = ("hidden", "top_ids", "top1", "kv", "layers")
 
     def __init__(
-        self, hidden: mx.array, top_ids: mx.array, top1: mx.array, kv: dict | None = None
+        self,
+        hidden: mx.array,
+        top_ids: mx.array,
+        top1: mx.array,
+        kv: dict | None = None,
+        layers: dict | None = None,
     ) -> None:
         self.hidden, self.top_ids, self.top1 = hidden, top_ids, top1
         self.kv = kv or {}
+        self.layers = layers or {}
 
     @classmethod
-    def of(cls, hidden: mx.array, logits: mx.array, k: int, kv: dict | None = None) -> Recorded:
+    def of(
+        cls,
+        hidden: mx.array,
+        logits: mx.array,
+        k: int,
+        kv: dict | None = None,
+        layers: dict | None = None,
+    ) -> Recorded:
         """From hidden states and logits ``[n, V]``."""
         logits = logits.astype(mx.float32)
         k = max(1, min(k, logits.shape[-1]))
-        ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
-        return cls(hidden.astype(mx.float32), ids, mx.argmax(logits, axis=-1), kv)
+        # a copy: a slice would keep the whole [n, V] partition alive
+        ids = mx.contiguous(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])
+        return cls(hidden.astype(mx.float32), ids, mx.argmax(logits, axis=-1), kv, layers)
 
 
 def _forward(
-    model: Any, tokens: Sequence[int], kv_layers: Sequence[int] = ()
-) -> tuple[mx.array, mx.array, dict]:
-    """One teacher-forced forward: hidden ``[L, H]``, logits ``[L, V]`` float32, and the
-    K/V ``{i: ([L, kv_heads, d], ...)}`` of the caches ``kv_layers``."""
+    model: Any, tokens: Sequence[int], kv_layers: Sequence[int] = (), layers: Sequence[int] = ()
+) -> tuple[mx.array, mx.array, dict, dict]:
+    """One teacher-forced forward: hidden ``[L, H]``, logits ``[L, V]`` float32, the
+    K/V ``{i: ([L, kv_heads, d], ...)}`` of the caches ``kv_layers`` and the outputs
+    ``{i: [L, H]}`` of the decoder layers ``layers``."""
     from mlx_lm.models.cache import make_prompt_cache
 
     taps = model_taps(model)
     caches = make_prompt_cache(model) if kv_layers else None
-    with taps.recording() as rec:
+    with taps.recording(layers) as rec:
         logits = model(mx.array(list(tokens))[None], cache=caches)
     h = rec["hidden"][0]
+    outs = {i: rec["layers"][i][0] for i in layers}
     kv = {}
     n = len(tokens)
     for i in kv_layers:
@@ -68,12 +86,17 @@ def _forward(
             )
         # in the model's dtype, copied out of the cache's buffer
         kv[i] = tuple(mx.contiguous(x[0, :, :n, :].transpose(1, 0, 2)) for x in (c.keys, c.values))
-    mx.eval(h, logits, kv)
-    return h, logits[0].astype(mx.float32), kv
+    mx.eval(h, logits, kv, outs)
+    return h, logits[0].astype(mx.float32), kv, outs
 
 
 def record(
-    model: Any, tokens: Sequence[int], *, top_k: int = 1, kv_layers: Sequence[int] = ()
+    model: Any,
+    tokens: Sequence[int],
+    *,
+    top_k: int = 1,
+    kv_layers: Sequence[int] = (),
+    layers: Sequence[int] = (),
 ) -> Recorded:
     """What the target computes over ``tokens``, in one teacher-forced forward.
 
@@ -81,9 +104,11 @@ def record(
         top_k: most likely next tokens kept per position.
         kv_layers: indices (in the model's cache list) of the caches whose keys and
             values to keep, for heads that attend to the target's K/V.
+        layers: indices of the decoder layers whose outputs to keep (0-based), for
+            heads conditioned on them (a DFlash drafter).
     """
-    h, logits, kv = _forward(model, tokens, kv_layers)
-    return Recorded.of(h, logits, top_k, kv)
+    h, logits, kv, outs = _forward(model, tokens, kv_layers, layers)
+    return Recorded.of(h, logits, top_k, kv, outs)
 
 
 def target_hidden(model: Any, tokens: Sequence[int]) -> mx.array:
@@ -159,6 +184,7 @@ def batch_answers(
     batch_size: int = 16,
     record: int = 0,
     kv_layers: Sequence[int] = (),
+    layers: Sequence[int] = (),
     on_batch: Callable[[int], None] | None = None,
 ) -> tuple[list[list[int]], list[Recorded] | None] | None:
     """The model's answers to ``prompts`` (token lists, without the prompt), decoded in
@@ -172,6 +198,8 @@ def batch_answers(
             answers computed them: no second pass); 0: ``None`` instead.
         kv_layers: with ``record``, also keep the K/V of these caches (each row's own
             entries, sliced out of the batch caches).
+        layers: with ``record``, also keep the outputs of these decoder layers
+            (``Recorded.layers``; since 0.1.1).
 
     Returns:
         ``(answers, states)``, or ``None`` for a model whose caches are not all plain
@@ -199,10 +227,11 @@ def batch_answers(
         cache = [BatchKVCache(pads) for _ in range(n_caches)]
         outs: list[list[int]] = [[] for _ in group]
         alive = [True] * len(group)
-        steps: list[tuple[mx.array, mx.array, mx.array]] = []  # per forward: h, ids, top1
+        # per forward: h, ids, top1, then the outputs of `layers`
+        steps: list[tuple[mx.array, ...]] = []
         for _ in range(max_tokens):
             if taps is not None:
-                with taps.recording() as rec:
+                with taps.recording(layers) as rec:
                     out = model(x, cache=cache)
                 st = Recorded.of(
                     rec["hidden"].reshape(-1, rec["hidden"].shape[-1]),
@@ -215,6 +244,7 @@ def batch_answers(
                         st.hidden.reshape(len(group), n_in, -1),
                         st.top_ids.reshape(len(group), n_in, -1),
                         st.top1.reshape(len(group), n_in),
+                        *(rec["layers"][i] for i in layers),
                     )
                 )
                 logits = out[:, -1, :].astype(mx.float32)
@@ -237,7 +267,9 @@ def batch_answers(
             x = tok[:, None]
         answers.extend(outs)
         if taps is not None:
-            h, ids, top1 = (mx.concatenate([s[j] for s in steps], axis=1) for j in range(3))
+            h, ids, top1, *outs_of = (
+                mx.concatenate([s[j] for s in steps], axis=1) for j in range(3 + len(layers))
+            )
             for r, (pad, p) in enumerate(zip(pads, group)):
                 n = len(p) + len(outs[r])  # positions 0 .. n-1 (or n-2: the last is not fed)
                 end = min(pad + n, h.shape[1])
@@ -249,8 +281,16 @@ def batch_answers(
                         mx.contiguous(x[r, :, pad:end, :].transpose(1, 0, 2))
                         for x in (c.keys, c.values)
                     )
-                states.append(Recorded(h[r, pad:end], ids[r, pad:end], top1[r, pad:end], kv))
-            mx.eval([(s.hidden, s.top_ids, s.top1, s.kv) for s in states[-len(group) :]])
+                states.append(
+                    Recorded(
+                        h[r, pad:end],
+                        ids[r, pad:end],
+                        top1[r, pad:end],
+                        kv,
+                        {i: o[r, pad:end] for i, o in zip(layers, outs_of)},
+                    )
+                )
+            mx.eval([(s.hidden, s.top_ids, s.top1, s.kv, s.layers) for s in states[-len(group) :]])
         if on_batch is not None:
             on_batch(len(group))
     return answers, (states if taps is not None else None)
