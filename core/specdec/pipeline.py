@@ -89,7 +89,16 @@ class Pipeline:
             attach = optional(d, "drafter", "attach")
             if attach is not None:
                 attach(model, tokenizer)
-        self._bind_verifier()
+        # the decoder layers the drafters read, after attach (a drafter may learn them there)
+        layers = [i for d in self.drafters for i in optional(d, "drafter", "hidden_layers")]
+        bind = optional(self.verifier, "verifier", "bind")
+        if bind is not None:
+            bind(model, layers=tuple(layers))
+        elif layers:
+            raise PolicyError(
+                f"drafters ask for decoder layers {layers} but verifier {policy.verifier!r} "
+                "cannot be told which layers to capture (it has no bind(model, layers=...))"
+            )
         #: the verify cost curve of this model on this device, when a drafter reads it.
         self.cost_model: CostModel | None = None
         if self.ranks is None and any(
@@ -147,20 +156,6 @@ class Pipeline:
         if "logits" not in optional(verifier, "verifier", "provides"):
             raise PolicyError(f"verifier {policy.verifier!r} does not provide logits")
         return verifier
-
-    def _bind_verifier(self) -> None:
-        """Tell the verifier the decoder layers the drafters read (``hidden_layers``,
-        read after ``attach``: a drafter may learn them from the checkpoint it loads)."""
-        layers = [i for d in self.drafters for i in optional(d, "drafter", "hidden_layers")]
-        bind = optional(self.verifier, "verifier", "bind")
-        if bind is not None:
-            bind(self.model, layers=tuple(layers))
-        elif layers:
-            raise PolicyError(
-                f"drafters ask for decoder layers {layers} but verifier "
-                f"{self.policy.verifier!r} cannot be told which layers to capture (it has no "
-                "bind(model, layers=...))"
-            )
 
     def _find_sharding(self) -> Any:
         from . import distributed as dist  # not loaded by `import specdec`

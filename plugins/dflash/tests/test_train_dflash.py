@@ -91,6 +91,9 @@ def test_train_dflash_on_the_default_model_resume_and_draft_with_it(capsys, tmp_
     other = [a if a != "6" else "8" for a in common]
     code, cap = run(capsys, "train-dflash", *other, "--steps", "8", "--resume")
     assert code == 2 and "has --block-size 6" in cap.err
+    code, cap = run(capsys, "train-dflash", *common, "--steps", "8", "--resume", "--gamma", "2")
+    assert code == 2 and "has --gamma 4.0" in cap.err
+    assert config["specdec_train_dflash"] == {"anchors": 8, "gamma": 4.0, "init": "target"}
     # Drafting with it leaves the output as plain decoding's (fixed sizing: every round
     # drafts, whatever the estimates say).
     pol = specdec.load_policy("dflash").with_options("dflash", path=str(out), sizing="fixed")
@@ -104,3 +107,33 @@ def test_train_dflash_on_the_default_model_resume_and_draft_with_it(capsys, tmp_
     # The drafter knows whose it is: another model is refused before any weight is read.
     with pytest.raises(DFlashLoadError, match="trained for another model|trained for a target"):
         specdec.assemble(make_tiny_model("llama"), policy=pol)
+
+
+def test_a_new_drafter_starts_from_the_targets_last_layers_quantized_or_not():
+    import copy
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from specdec_dflash.train import new_dflash
+
+    target = make_tiny_model("llama")
+    q = copy.deepcopy(target)
+    nn.quantize(q, group_size=32, bits=8)
+    for model in (target, q):
+        m = new_dflash(model, layers=1, target_layer_ids=[0, 1], mask_token_id=3)
+        donor = model.model.layers[-1].self_attn.q_proj
+        want = (
+            mx.dequantize(donor.weight, donor.scales, donor.biases, 32, 8)
+            if isinstance(donor, nn.QuantizedLinear)
+            else donor.weight
+        )
+        np.testing.assert_allclose(
+            np.asarray(m.layers[0].self_attn.q_proj.weight), np.asarray(want), atol=1e-6
+        )
+        np.testing.assert_allclose(
+            np.asarray(m.norm.weight), np.asarray(model.model.norm.weight), atol=1e-6
+        )
+        H = m.config.hidden_size  # fc passes the last conditioning layer through
+        np.testing.assert_allclose(np.asarray(m.fc.weight[:, H:]), np.eye(H), atol=0)
+        assert not np.asarray(m.fc.weight[:, :H]).any()

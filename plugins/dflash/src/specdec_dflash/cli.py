@@ -17,6 +17,8 @@ import specdec_train
 
 #: Default blocks per sequence per step.
 ANCHORS = 32
+#: The config key of a trained drafter's recipe (``anchors``, ``gamma``, ``init``).
+RECIPE_FIELD = "specdec_train_dflash"
 
 
 def add_train_dflash_parser(sub: Any) -> None:
@@ -43,7 +45,7 @@ def add_train_dflash_parser(sub: Any) -> None:
         "--target-layers",
         default=None,
         help="the target layers whose outputs condition the drafter, 0-based, comma-"
-        "separated (default: 3 spread from layer 1 to the fourth-last, the published rule)",
+        "separated (default: 3 spread from layer 1 to the third-last, the published rule)",
     )
     p.add_argument(
         "--block-size",
@@ -61,7 +63,7 @@ def add_train_dflash_parser(sub: Any) -> None:
     p.add_argument(
         "--anchors",
         type=int,
-        default=ANCHORS,
+        default=None,
         help=f"blocks per sequence per step (default: {ANCHORS})",
     )
     p.add_argument(
@@ -74,7 +76,7 @@ def add_train_dflash_parser(sub: Any) -> None:
     p.add_argument(
         "--init",
         choices=("target", "random"),
-        default="target",
+        default=None,
         help="target: the draft layers start as copies of the target's last layers, the "
         "final norm as the target's, fc passing the last target layer's features "
         "through; random: from scratch, as the published recipe (default: target)",
@@ -114,6 +116,44 @@ def _check(args: argparse.Namespace) -> None:
         raise specdec_train.TrainError(f"--gamma must be > 0, got {args.gamma}")
     if args.target_layers is not None:
         _ids(args.target_layers)
+    if args.resume:
+        _check_resume(args)
+
+
+def _check_resume(args: argparse.Namespace) -> None:
+    """A resumed run's shape and recipe come from its checkpoint: a flag that says
+    otherwise is refused before the model loads, the others are filled in."""
+    from pathlib import Path
+
+    path = Path(args.out).expanduser() / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        d = cfg["dflash_config"]
+        have = {
+            "--layers": ("layers", cfg["num_hidden_layers"]),
+            "--block-size": ("block_size", cfg["block_size"]),
+            "--mask-token": ("mask_token", d["mask_token_id"]),
+            "--target-layers": ("target_layers", list(d["target_layer_ids"])),
+            **{
+                f"--{k}": (k, v)
+                for k, v in (cfg.get(RECIPE_FIELD) or {}).items()
+                if k in ("anchors", "gamma", "init")
+            },
+        }
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no drafter saved there: run_training says what is missing
+    for flag, (attr, saved) in have.items():
+        given = getattr(args, attr)
+        if attr == "target_layers" and given is not None:
+            given = _ids(given)
+        if given is not None and given != saved:
+            raise specdec_train.TrainError(
+                f"--resume: the drafter in {str(args.out)!r} has {flag} "
+                f"{saved if not isinstance(saved, list) else ','.join(map(str, saved))}; it "
+                "comes from the checkpoint (give that or leave it out)"
+            )
+        if attr != "target_layers":
+            setattr(args, attr, saved)
 
 
 def _make_trainer(model: Any, args: argparse.Namespace, resume: Any) -> Any:
@@ -123,23 +163,7 @@ def _make_trainer(model: Any, args: argparse.Namespace, resume: Any) -> Any:
 
     _, n_target, vocab = target_shape(model)
     if resume is not None:
-        module, _ = load_dflash(resume, model)
-        c = module.config
-        given = {
-            "--layers": (c.num_hidden_layers, args.layers),
-            "--block-size": (c.block_size, args.block_size),
-            "--mask-token": (c.mask_token_id, args.mask_token),
-            "--target-layers": (
-                list(c.target_layer_ids),
-                None if args.target_layers is None else _ids(args.target_layers),
-            ),
-        }
-        for flag, (have, want) in given.items():
-            if want is not None and want != have:
-                raise specdec_train.TrainError(
-                    f"--resume: the drafter in {str(resume)!r} has {flag} {have}; its shape "
-                    f"comes from the checkpoint (give {flag} {have} or leave it out)"
-                )
+        module, _ = load_dflash(resume, model)  # its shape was checked in _check_resume
     else:
         ids = (
             _ids(args.target_layers)
@@ -165,10 +189,10 @@ def _make_trainer(model: Any, args: argparse.Namespace, resume: Any) -> Any:
             target_layer_ids=ids,
             mask_token_id=mask,
             seed=args.seed,
-            init=args.init,
+            init=args.init or "target",
         )
     gamma = args.gamma if args.gamma is not None else gamma_for(module.config.block_size)
-    return DFlashTrainer(module, model, gamma=gamma, anchors=args.anchors)
+    return DFlashTrainer(module, model, gamma=gamma, anchors=args.anchors or ANCHORS)
 
 
 def cmd_train_dflash(args: argparse.Namespace) -> int:
@@ -178,7 +202,16 @@ def cmd_train_dflash(args: argparse.Namespace) -> int:
     def save(out: Any, model: Any, module: Any, identity: dict) -> None:
         from .train import save_dflash
 
-        save_dflash(out, module, extra_config={specdec.checkpoints.TARGET_FIELD: identity})
+        recipe = {
+            "anchors": args.anchors or ANCHORS,
+            "gamma": args.gamma if args.gamma is not None else gamma_for(module.config.block_size),
+            "init": args.init or "target",
+        }
+        save_dflash(
+            out,
+            module,
+            extra_config={specdec.checkpoints.TARGET_FIELD: identity, RECIPE_FIELD: recipe},
+        )
 
     def usage(out: Any) -> str:
         return (

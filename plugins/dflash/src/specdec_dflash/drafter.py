@@ -69,9 +69,9 @@ OPTIONS = Options(
 
 def embeddings(model: Any) -> Any:
     """The target's token embedding as its decoder layers see it: the embedding layer,
-    times ``sqrt(hidden_size)`` (rounded to bfloat16, as mlx-lm's Gemma models do) for
-    targets that scale their embeddings (``model_type`` ``gemma*``; mlx-vlm's DFlash
-    applies the target's embedding scale too)."""
+    times ``sqrt(hidden_size)`` for targets that scale their embeddings (``model_type``
+    ``gemma*``, as mlx-lm's models do it: rounded to bfloat16 for ``gemma3*``; mlx-vlm's
+    DFlash applies the target's embedding scale too)."""
     inner = getattr(model, "language_model", model)
     embed = getattr(getattr(inner, "model", None), "embed_tokens", None)
     if embed is None:
@@ -82,7 +82,8 @@ def embeddings(model: Any) -> Any:
     kind = str(getattr(inner, "model_type", None) or getattr(model, "model_type", "") or "")
     if not kind.startswith("gemma"):
         return embed
-    scale = mx.array(inner.args.hidden_size**0.5, mx.bfloat16)
+    root = inner.args.hidden_size**0.5
+    scale = mx.array(root, mx.bfloat16) if kind.startswith("gemma3") else mx.array(root)
 
     def scaled(ids: mx.array) -> mx.array:
         h = embed(ids)
@@ -262,8 +263,6 @@ class DFlashSession(BaseDrafterSession):
         )
         self.last = (n, k)
         self.rounds += 1
-        self.proposed += k
-        self.sizes[k] = self.sizes.get(k, 0) + 1
         return Draft(tokens=draft.tokens, probs=draft.probs, acceptance=accept[:k])
 
     def _size(self, accept: list[float], n: int) -> int:
@@ -282,9 +281,11 @@ class DFlashSession(BaseDrafterSession):
         outcome of our block."""
         start = result.start_position
         if self.last is not None and self.last[0] == start and result.drafter == NAME:
-            k, a = len(result.block), result.n_accepted
+            k, a = len(result.block), result.n_accepted  # the block as verified (maybe cut)
             self.estimate.observe(k, a)
             self.accepted += a
+            self.proposed += k
+            self.sizes[k] = self.sizes.get(k, 0) + 1
         self.last = None
         v = result.verify
         if v is not None:

@@ -76,13 +76,12 @@ def new_dflash(
 
     Args:
         init: ``"target"``: each draft layer starts as a copy of one of the target's last
-            decoder layers (the weights of the same name and shape; ``q_norm`` / ``k_norm``
-            at one), the final norm as the target's, and ``fc`` passing the last id's
-            features through (identity on their slice, zero elsewhere); ``"random"``:
-            MLX's default initialisation (the published recipe trains from scratch).
+            decoder layers (the weights of the same name and shape, dequantized;
+            ``q_norm`` / ``k_norm`` at one; a Gemma target's norms are not copied), the
+            final norm as the target's, and ``fc`` passing the last id's features
+            through (identity on their slice, zero elsewhere); ``"random"``: MLX's
+            default initialisation (the published recipe trains from scratch).
     """
-    from mlx.utils import tree_flatten
-
     from .checkpoint import target_shape
 
     if init not in ("target", "random"):
@@ -110,26 +109,51 @@ def new_dflash(
     mx.random.seed(seed)
     module = DFlashModel(cfg)
     if init == "target":
-        mine = dict(tree_flatten(module.parameters()))
-        backbone = inner.model
-        donors = backbone.layers[-layers:]
-        take = {}
-        for i, donor in enumerate(donors):
-            for name, w in tree_flatten(donor.parameters()):
-                key = f"layers.{i}.{name}"
-                if key in mine and tuple(mine[key].shape) == tuple(w.shape):
-                    take[key] = w.astype(mx.float32)
-        norm = getattr(getattr(backbone, "norm", None), "weight", None)
-        if norm is not None and tuple(norm.shape) == tuple(mine["norm.weight"].shape):
-            take["norm.weight"] = norm.astype(mx.float32)
-        H, k = cfg.hidden_size, len(cfg.target_layer_ids)
-        eye = mx.eye(H)
-        take["fc.weight"] = mx.concatenate(
-            [mx.zeros((H, (k - 1) * H)), eye], axis=1
-        )  # the last id's features through
-        module.load_weights(list(take.items()), strict=False)
+        _start_from_target(module, inner, layers)
     mx.eval(module.parameters())
     return module
+
+
+def _dense_weight(mod: Any) -> mx.array | None:
+    """A linear layer's weight as a dense float32 ``[out, in]`` (quantized ones
+    dequantized), ``None`` for anything else."""
+    if isinstance(mod, nn.QuantizedLinear):
+        kw = {"mode": mod.mode} if getattr(mod, "mode", None) else {}
+        w = mx.dequantize(
+            mod.weight, mod.scales, getattr(mod, "biases", None), mod.group_size, mod.bits, **kw
+        )
+        return w.astype(mx.float32)
+    if isinstance(mod, nn.Linear):
+        return mod.weight.astype(mx.float32)
+    return None
+
+
+def _start_from_target(module: DFlashModel, inner: Any, layers: int) -> None:
+    """``init="target"``: draft layer ``i`` from the target's layer ``N - layers + i``
+    (every linear layer of the same name and shape, dequantized; the norms too, except
+    for Gemma targets, whose norms scale by ``1 + w`` and sit elsewhere: theirs stay at
+    one), the final norm, and ``fc`` passing the last conditioning layer through."""
+    from mlx.utils import tree_flatten
+
+    cfg = module.config
+    mine = dict(tree_flatten(module.parameters()))
+    backbone = inner.model
+    gemma = str(getattr(inner, "model_type", "")).startswith("gemma")
+    take: dict[str, mx.array] = {}
+    for i, donor in enumerate(backbone.layers[-layers:]):
+        for name, mod in donor.named_modules():
+            w = _dense_weight(mod)
+            if w is None and isinstance(mod, nn.RMSNorm) and not gemma:
+                w = mod.weight.astype(mx.float32)
+            key = f"layers.{i}.{name}.weight"
+            if w is not None and key in mine and tuple(mine[key].shape) == tuple(w.shape):
+                take[key] = w
+    norm = getattr(getattr(backbone, "norm", None), "weight", None)
+    if norm is not None and not gemma and tuple(norm.shape) == tuple(mine["norm.weight"].shape):
+        take["norm.weight"] = norm.astype(mx.float32)
+    H, k = cfg.hidden_size, len(cfg.target_layer_ids)
+    take["fc.weight"] = mx.concatenate([mx.zeros((H, (k - 1) * H)), mx.eye(H)], axis=1)
+    module.load_weights(list(take.items()), strict=False)
 
 
 def config_dict(config: DFlashConfig) -> dict:
@@ -184,8 +208,9 @@ class SequenceRecord:
 
     Attributes:
         tokens: ``[S]``.
-        features: ``[S, k * H]`` float16: the outputs of the drafter's target layers.
-        hidden: ``[S, H]`` float16: the final hidden states (after the final norm).
+        features: ``[S, k * H]``: the outputs of the drafter's target layers, in the
+            model's dtype (what the verifier hands the drafter when it drafts).
+        hidden: ``[S, H]`` float32: the final hidden states (after the final norm).
         top_ids: ``[S, c]``: the target's ``c`` most likely next tokens per position.
         top1: ``[S]``: its argmax per position.
     """
@@ -205,14 +230,15 @@ def record_sequence(
     v = HiddenStateVerifier(layers=list(layer_ids))
     v.bind(model, layers=tuple(layer_ids))
     vr = v.verify(model, mx.array(list(seq)), make_prompt_cache(model))
-    feats = mx.concatenate([vr.layers[i] for i in layer_ids], axis=-1).astype(mx.float16)
+    feats = mx.concatenate([vr.layers[i] for i in layer_ids], axis=-1)
     logits = vr.logits.astype(mx.float32)
     k = max(1, min(top_k, logits.shape[-1]))
-    top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    # a copy: a slice would keep the whole [S, V] partition alive
+    top_ids = mx.contiguous(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])
     rec = SequenceRecord(
         mx.array(list(seq)),
         feats,
-        vr.hidden.astype(mx.float16),
+        vr.hidden.astype(mx.float32),
         top_ids,
         mx.argmax(logits, axis=-1),
     )
@@ -232,8 +258,8 @@ def from_recorded(
     n = min(len(seq), int(state.hidden.shape[0]))
     rec = SequenceRecord(
         mx.array(list(seq[:n])),
-        mx.concatenate([state.layers[i][:n] for i in layer_ids], axis=-1).astype(mx.float16),
-        state.hidden[:n].astype(mx.float16),
+        mx.concatenate([state.layers[i][:n] for i in layer_ids], axis=-1),
+        state.hidden[:n].astype(mx.float32),
         mx.contiguous(state.top_ids[:n]),
         state.top1[:n],
     )
@@ -443,23 +469,31 @@ def train_dflash(
     A step is ``batch_size`` sequences (a seeded shuffled order, epoch after epoch), each
     with ``trainer.anchors`` blocks at random anchors; AdamW (no weight decay), linear
     warm-up over ``warmup`` steps then cosine decay to a tenth, gradients clipped to norm
-    1. ``states`` and ``held_out_states`` are not used: the outputs of the drafter's
-    ``states`` and ``held_out_states`` (``specdec_train.Recorded``, as
+    1. ``states`` and ``held_out_states`` (``specdec_train.Recorded``, as
     ``batch_answers`` records them with ``layers``) give what the target computed; a
     sequence without one (or without the outputs of the drafter's target layers) is
     recorded here, one forward (``on_prepare(done, total)`` after each). A resumed run
-    (``start_step``) draws a fresh seeded order.
+    (``start_step``) continues the seeded stream of minibatches, anchors and negatives
+    (the first ``start_step`` steps' draws are replayed); the optimizer's moments start
+    afresh, as ``train_head``'s do.
 
     Returns:
         ``train_head``'s keys (``top1`` / ``held_out_top1``: the first draft's greedy
-        acceptance) and ``position_acceptance`` / ``held_out_position_acceptance``: the
+        acceptance; ``top1`` on the first 32 training sequences) and ``position_acceptance`` / ``held_out_position_acceptance``: the
         greedy acceptance per block position (drafts ``1 .. k`` all right).
 
     Raises:
         ValueError: no sequence of 3 or more tokens, ``steps <= start_step``, a bad
-            ``loss``, or ``loss="sampled"`` for an output layer that is not affine.
+            ``loss``, ``batch_size``, ``candidates`` or ``negatives``, or
+            ``loss="sampled"`` for an output layer that is not affine.
     """
     import mlx.optimizers as optim
+
+    for label, v, lo in (("batch_size", batch_size, 1), ("candidates", candidates, 1)):
+        if v < lo:
+            raise ValueError(f"{name}: {label} must be >= {lo}, got {v}")
+    if negatives < 0:
+        raise ValueError(f"{name}: negatives must be >= 0, got {negatives}")
 
     seqs = [list(s) for s in sequences if len(s) >= 3]
     if not seqs:
@@ -501,13 +535,39 @@ def train_dflash(
     prepare_seconds = time.perf_counter() - t_prepare
     module = trainer.module
     module.train()
-    rng = random.Random(seed * 1_000_003 + start_step)
-    nprng = np.random.default_rng(seed + start_step)
-    mx.random.seed(seed + start_step)
+    rng = random.Random(seed)
+    nprng = np.random.default_rng(seed)
+    mx.random.seed(seed)
     opt = optim.AdamW(learning_rate=lr, weight_decay=0.0)
     grad = nn.value_and_grad(module, trainer.loss)
     vocab = trainer.out.vocab
     order: list[int] = []
+    B = module.config.block_size
+
+    def draw() -> tuple[list, mx.array | None]:
+        """The next step's ``(record, anchors)`` pairs and candidate ids."""
+        nonlocal order
+        batch = []
+        for _ in range(min(batch_size, len(data))):
+            if not order:
+                order = list(range(len(data)))
+                rng.shuffle(order)
+            rec = data[order.pop()]
+            usable = int(rec.tokens.shape[0]) - 1
+            batch.append((rec, sorted(rng.sample(range(usable), min(trainer.anchors, usable)))))
+        negs = nprng.integers(0, vocab, size=negatives) if sampled and negatives else None
+        if not sampled:
+            return batch, None
+        cand = [
+            np.asarray(rec.top_ids[block_positions(B, int(rec.tokens.shape[0]), a)[0]]).reshape(-1)
+            for rec, a in batch
+        ]
+        if negs is not None:
+            cand.append(negs)
+        return batch, mx.array(np.unique(np.concatenate(cand)).astype(np.int32))
+
+    for _ in range(start_step):  # a resumed run continues the same stream
+        draw()
     t0 = time.perf_counter()
 
     def lr_at(step: int) -> float:
@@ -523,27 +583,7 @@ def train_dflash(
     stopped_by_time = False
     for i in range(start_step, steps):
         step = i + 1
-        batch = []
-        for _ in range(min(batch_size, len(data))):
-            if not order:
-                order = list(range(len(data)))
-                rng.shuffle(order)
-            rec = data[order.pop()]
-            usable = int(rec.tokens.shape[0]) - 1
-            batch.append((rec, sorted(rng.sample(range(usable), min(trainer.anchors, usable)))))
-        ids = None
-        if sampled:
-            cand = [
-                np.asarray(
-                    rec.top_ids[
-                        block_positions(module.config.block_size, int(rec.tokens.shape[0]), a)[0]
-                    ]
-                ).reshape(-1)
-                for rec, a in batch
-            ]
-            if negatives:
-                cand.append(nprng.integers(0, vocab, size=negatives))
-            ids = mx.array(np.unique(np.concatenate(cand)).astype(np.int32))
+        batch, ids = draw()
         opt.learning_rate = lr_at(step)
         value, grads = grad(module, batch, ids)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
@@ -567,7 +607,7 @@ def train_dflash(
     module.eval()
     if held and (held_top is None or stopped_by_time or done % max(1, eval_every)):
         held_top = trainer.positions(held)
-    mine = trainer.positions(data[:32])
+    mine = trainer.positions(data[:32])  # the training text: its first 32 sequences
     return {
         "steps": done,
         "first_loss": first,
