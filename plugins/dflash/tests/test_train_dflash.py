@@ -110,15 +110,14 @@ def test_train_dflash_on_the_default_model_resume_and_draft_with_it(capsys, tmp_
 
 
 def test_a_new_drafter_starts_from_the_targets_last_layers_quantized_or_not():
-    import copy
-
     import mlx.core as mx
     import mlx.nn as nn
     import numpy as np
     from specdec_dflash.train import new_dflash
 
     target = make_tiny_model("llama")
-    q = copy.deepcopy(target)
+    q = type(target)(target.args)  # a copy of its own (the kit's models are shared)
+    q.update(target.parameters())
     nn.quantize(q, group_size=32, bits=8)
     for model in (target, q):
         m = new_dflash(model, layers=1, target_layer_ids=[0, 1], mask_token_id=3)
