@@ -165,25 +165,29 @@ def test_rows_of_a_batch_draft_their_own_blocks(trained):
 def test_copy_dflash_copies_where_the_context_has_a_match_and_diffuses_otherwise(trained):
     from specdec.testing import find_copy_prompt
 
-    target, folder, _, _, _ = trained
+    target, folder, prompts, _, _ = trained
     # blocks priced by the verify curve alone (the measured round overhead of a tiny
     # model depends on the machine's timing); the prompt is searched for, since this
     # tiny target's text repeats itself only by luck
     pol = (
         specdec.load_policy("copy-dflash")
-        .with_options("dflash", path=str(folder))
+        # the DFlash drafter drafts whenever it is asked (its own sizing is tested alone)
+        .with_options("dflash", path=str(folder), sizing="fixed")
         .with_options("ngram_copy", round_overhead=False)
     )
     prompt = find_copy_prompt(
         target, pol, min_accepted=2, max_tokens=30, tries=32, drafter="ngram_copy"
     )
     check_greedy_identity(target, pol, prompt, max_tokens_list=(4, 30))
-    out = specdec.assemble(target, None, pol).generate(prompt, max_tokens=30)
-    per = out.stats.per_drafter
+    pipe = specdec.assemble(target, None, pol)
+    per = pipe.generate(prompt, max_tokens=30).stats.per_drafter
     assert per["ngram_copy"]["rounds"] > 0 and per["ngram_copy"]["accepted"] > 0
-    # where the context has no match, the DFlash drafter was asked (its context kept up
-    # with the copied rounds: no gap)
-    assert per["dflash"]["dflash_rounds"] + per["dflash"]["dflash_declined"] > 0
+    assert per["dflash"]["feature_gaps"] == 0  # its context kept up with copied rounds
+    # a prompt whose text the drafter was trained on: where the copy has no match the
+    # DFlash drafter drafts, and its blocks are accepted
+    check_greedy_identity(target, pol, prompts[0], max_tokens_list=(4, 40))
+    per = pipe.generate(prompts[0], max_tokens=40).stats.per_drafter
+    assert per["dflash"]["dflash_rounds"] > 0 and per["dflash"]["dflash_accepted"] > 0
     assert per["dflash"]["feature_gaps"] == 0
 
 
