@@ -430,8 +430,12 @@ def test_run_bench_several_policies_share_the_off_runs(loaded):
     model, tok = loaded
     order = []
     # On this tiny model a forward is as cheap as the loop's host work, so drafting
-    # would stop paying once the pipeline measured a drafted round's overhead.
-    tiny = specdec.load_policy("ngram").with_options("ngram_copy", round_overhead=False)
+    # would stop paying once the pipeline measured a drafted round's overhead; the ladder
+    # sizes blocks from outcomes, not from this machine's verify cost curve (with cost
+    # sizing a CI run under load drafted nothing)
+    tiny = specdec.load_policy("ngram").with_options(
+        "ngram_copy", round_overhead=False, sizing="ladder"
+    )
     pols = sweep_policies(tiny, "ngram_copy.max_block=2,8")
     res = run_bench(
         model,
