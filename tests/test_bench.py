@@ -141,6 +141,8 @@ def test_shipped_workloads():
         "code-rewrite",
         "extraction",
         "prose",
+        "prose-short",
+        "prose-long",
         "follow-up",
         "json-extract",
         "json-form",
@@ -178,6 +180,11 @@ def test_shipped_workloads():
     prose = ws["prose"]
     assert prose.source == "" and prose.expected is None and prose.faithfulness("x") is None
     assert all(not w.prelude and w.prelude_ids(None) is None for w in (code, rewrite, ext, prose))
+    # free prose after prompts of three lengths: nothing to copy
+    short, long = ws["prose-short"], ws["prose-long"]
+    assert len(short.request) < len(prose.request) < 1000 < len(ext.source) < len(long.request)
+    assert long.source == ext.source and "lighthouse keeper" in long.request
+    assert all(w.expected is None and not w.default for w in (short, long))
     follow = ws["follow-up"]
     # the second request asks for the prelude's answer again, with one more method
     assert follow.prelude and follow.prelude_request != follow.request

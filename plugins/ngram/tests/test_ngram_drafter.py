@@ -49,7 +49,11 @@ def test_defaults_documented_and_applied():
         "max_block",
         "max_edits",
         "realign",
+        "cursor",
+        "learn_edits",
+        "edit_window",
     }
+    assert (d.cursor, d.learn_edits, d.edit_window) == (True, True, 16)
 
 
 def test_unknown_option_names_the_accepted_ones():

@@ -12,16 +12,19 @@ or use the ``copy`` preset (with ``specdec-plugin-copy-governor``).
 
 from __future__ import annotations
 
+from .cursor import CopyCursor, EditRule
 from .drafter import DEFAULTS, NgramCopyDrafter, NgramCopySession, create_ngram_copy
 from .index import NgramIndex, NgramMatch
 from .store import CopyStore, CopyStoreError, StoreMatch
 
-__version__ = "0.4.2"
+__version__ = "0.5.0"
 
 __all__ = [
     "DEFAULTS",
+    "CopyCursor",
     "CopyStore",
     "CopyStoreError",
+    "EditRule",
     "NgramCopyDrafter",
     "NgramCopySession",
     "NgramIndex",

@@ -23,6 +23,12 @@ How long a block is (``sizing``):
   when copying pays again without a forward.
 - ``"ladder"``: the fixed ``ladder`` of match lengths to block sizes.
 
+Where the copy comes from (``cursor``): a :class:`~specdec_ngram.cursor.CopyCursor`
+follows the output's place in the source across edits, so that a copy resumes
+right after an edit (where the index would need a new match of a few tokens),
+and with ``learn_edits`` writes each confirmed edit into later copies of the
+same source tokens.
+
 Which continuation (``continuation``): ``"frequent"`` (the default) lets every
 earlier occurrence that matches as much context vote token by token
 (:meth:`NgramIndex.ranked_continuation`); ``"recent"`` copies what followed the
@@ -50,6 +56,7 @@ from specdec.costs import AcceptanceEstimate, best_block
 from specdec.options import Option, Options
 from specdec.shadow import ShadowScore
 
+from .cursor import CopyCursor, EditRule
 from .index import NgramIndex, NgramMatch
 from .store import CopyStore, CopyStoreError
 
@@ -69,6 +76,9 @@ MATCH_BUCKETS = (0, 4, 8, 16, 32)
 #: The acceptance-estimate bucket of matches found in the cross-request store
 #: (after the match-length buckets and the realigned one).
 STORE_BUCKET = len(MATCH_BUCKETS) + 1
+#: The acceptance-estimate bucket of copies from the cursor's place right after an
+#: edit (a tentative realignment: see :mod:`specdec_ngram.cursor`).
+CURSOR_BUCKET = STORE_BUCKET + 1
 #: A pending shadow proposal that has matched this many tokens is scored at once
 #: (as accepted that far), so a copy that resumes is drafted again within two steps.
 SHADOW_EARLY = 2
@@ -119,6 +129,9 @@ OPTIONS = Options(
         Option("max_block", int, default=16, minimum=1),
         Option("max_edits", int, default=1, minimum=0, maximum=2, accepted="0, 1 or 2"),
         Option("realign", bool, default=True),
+        Option("cursor", bool, default=True),
+        Option("learn_edits", bool, default=True),
+        Option("edit_window", int, default=16, minimum=1, maximum=64),
         Option("sizing", str, default="cost", choices=SIZINGS),
         Option("continuation", str, default="frequent", choices=CONTINUATIONS),
         Option("min_share", float, default=0.0, minimum=0, maximum=1),
@@ -169,6 +182,17 @@ class NgramCopyDrafter(BaseDrafter):
             over when it is extended backwards, 0 to 2 (0: exact matching).
         realign: right after an edit, copy on from the aligned source position
             past the edited token.
+        cursor: follow the output's place in the source token by token, across
+            edits (:class:`~specdec_ngram.cursor.CopyCursor`): after an edit of up to
+            ``edit_window`` tokens, copy on from where the output meets the source
+            again as soon as one token does, where the index would need a new match
+            of a few tokens first.
+        learn_edits: with ``cursor``, learn each confirmed edit (the source tokens
+            replaced and what the output wrote instead) and write it into later
+            copies of the same source tokens (an identifier renamed everywhere is
+            drafted renamed from its second occurrence on).
+        edit_window: with ``cursor``, the longest edit (source tokens replaced, or
+            tokens written instead) after which the place is found again.
         sizing: ``"cost"`` chooses each block's size from acceptance estimates and
             the verify cost curve; ``"ladder"`` uses ``ladder`` (see the module
             docstring).
@@ -266,6 +290,9 @@ class NgramCopyDrafter(BaseDrafter):
         self.max_block = o.max_block
         self.max_edits = o.max_edits
         self.realign = o.realign
+        self.cursor = o.cursor
+        self.learn_edits = o.learn_edits
+        self.edit_window = o.edit_window
 
     # -- the Drafter protocol -------------------------------------------------------
 
@@ -325,7 +352,7 @@ class NgramCopySession(BaseDrafterSession):
         self._reset_stats()
         d = drafter
         self.estimates = [
-            AcceptanceEstimate(max(d.max_block, 1), decay=d.decay) for _ in range(STORE_BUCKET + 1)
+            AcceptanceEstimate(max(d.max_block, 1), decay=d.decay) for _ in range(CURSOR_BUCKET + 1)
         ]
         #: every outcome, whichever bucket: the prior of a bucket with few outcomes.
         self.overall = AcceptanceEstimate(max(d.max_block, 1), decay=d.decay)
@@ -338,6 +365,11 @@ class NgramCopySession(BaseDrafterSession):
         # learn = "continuation": every continuation looked up, scored as tokens come
         self._tails: list[_Tail] = []
         self._tail_mode = drafter.learn == "continuation"
+        self.cursor: CopyCursor | None = None
+        # the learnt edits written into the block in flight: (offset, rule)
+        self._used: list[tuple[int, EditRule]] = []
+        self._planned_used: list[tuple[int, EditRule]] = []
+        self._planned_cursor = False
         self._rebuild([int(t) for t in prompt_tokens], prompt_len=len(prompt_tokens))
 
     def propose(self, history: Sequence[int], max_len: int) -> Draft | None:
@@ -387,6 +419,9 @@ class NgramCopySession(BaseDrafterSession):
         self.last_match = match
         self.sizes[size] = self.sizes.get(size, 0) + 1
         self._bucket = bucket
+        self._used = [(o, r) for o, r in self._planned_used if o < size]
+        self.edits_written += len(self._used)
+        self.cursor_proposals += self._planned_cursor
         est = None if accept is None else [min(1.0, max(0.0, a)) for a in accept[:size]]
         return Draft(tokens=tokens, acceptance=est)
 
@@ -416,9 +451,17 @@ class NgramCopySession(BaseDrafterSession):
             self.rounds_verified += 1
             if self._bucket is not None and result.block and not self._tail_mode:
                 self._learn(self._bucket, *self._outcome(result))
+            if self._used and result.block:
+                f = result.forced
+                hits, misses = CopyCursor.score(
+                    self._used, result.n_accepted - f, len(result.block) - f
+                )
+                self.edits_accepted += hits
+                self.edits_rejected += misses
             if self._bucket == STORE_BUCKET:
                 self.store_accepted_tokens += result.n_accepted - result.forced
         self._bucket = None
+        self._used = []
         committed = result.committed
         if self._tails:
             t0 = time.perf_counter()
@@ -432,9 +475,12 @@ class NgramCopySession(BaseDrafterSession):
             return
         have = len(self.index)
         start = result.start_position
+        cur = self.cursor
         if start <= 0 and have > 0:
             # The position is unknown: assume the round follows what is indexed.
             self.index.extend(committed)
+            if cur is not None:
+                cur.feed(have, committed)
             return
         if start > have:
             return  # a gap: propose() catches up from the history
@@ -443,6 +489,8 @@ class NgramCopySession(BaseDrafterSession):
             self._dirty = True  # disagrees with what was indexed: re-index at propose()
             return
         self.index.extend(committed[overlap:])
+        if cur is not None and cur.at is not None and start <= cur.at < start + len(committed):
+            cur.feed(cur.at, committed[cur.at - start :])
 
     def end(self) -> None:
         """Add the request's output (the tokens after the prompt) to the store, if
@@ -464,6 +512,8 @@ class NgramCopySession(BaseDrafterSession):
         self._pending = None
         self._tails = []
         self.index = self._new_index(0)
+        if self.cursor is not None:
+            self.cursor.rebind(self.index.tokens)
 
     def stats(self) -> dict:
         """Per-request counts: lookups, hits (``realigned``: after an edit), misses,
@@ -473,7 +523,7 @@ class NgramCopySession(BaseDrafterSession):
         ``continuations_scored``: resolved so far), the acceptance
         estimates per match-length bucket (and ``"store"``), and the cross-request
         store's hits, proposed and accepted tokens and size (as this request saw it)."""
-        names = [f"match>={b}" for b in MATCH_BUCKETS] + ["realigned", "store"]
+        names = [f"match>={b}" for b in MATCH_BUCKETS] + ["realigned", "store", "cursor"]
         store = self.drafter.store
         return {
             "source": self.drafter.source,
@@ -492,6 +542,15 @@ class NgramCopySession(BaseDrafterSession):
             "mean_match_len": (self.match_len_total / self.hits) if self.hits else 0.0,
             "longest_match": self.longest_match,
             "realigned": self.realigned,
+            "cursor": self.cursor is not None,
+            "cursor_proposals": self.cursor_proposals,
+            "cursor_realigned": 0 if self.cursor is None else self.cursor.realigned,
+            "cursor_confirmed": 0 if self.cursor is None else self.cursor.confirmed,
+            "cursor_lost": 0 if self.cursor is None else self.cursor.lost,
+            "edits_learnt": 0 if self.cursor is None else len(self.cursor.rules),
+            "edits_written": self.edits_written,
+            "edits_accepted": self.edits_accepted,
+            "edits_rejected": self.edits_rejected,
             "indexed_tokens": len(self.index),
             "index_entries": self.index.entries,
             "resyncs": self.resyncs,
@@ -530,6 +589,16 @@ class NgramCopySession(BaseDrafterSession):
         d = self.drafter
         match = self.index.find()
         found = None
+        cur = self.cursor
+        from_cursor = False
+        self._planned_used = []
+        self._planned_cursor = False
+        if cur is not None and cur.choose(
+            None if match is None else (match.position, match.length), len(self.index)
+        ):
+            assert cur.pos is not None
+            from_cursor = True
+            match = NgramMatch(cur.pos, cur.run, 0)
         if match is None:
             if d.store is None:
                 return None
@@ -545,6 +614,9 @@ class NgramCopySession(BaseDrafterSession):
             return None
         if found is not None:
             tokens, shares = d.store.continuation(found, count), None
+        elif from_cursor:
+            assert cur is not None
+            tokens, shares = cur.continuation(count), None
         elif d.continuation == "frequent":
             tokens, shares = self.index.ranked_continuation(
                 match, count, min_share=d.min_share, floor=d.vote_floor
@@ -553,7 +625,19 @@ class NgramCopySession(BaseDrafterSession):
             tokens, shares = self.index.continuation(match, count), None
         if not tokens:
             return None
-        bucket = STORE_BUCKET if found is not None else self._bucket_of(match)
+        if cur is not None and d.learn_edits:
+            edited, origin, used = cur.apply(self.index.tokens[-1], tokens, count)
+            if used:
+                tokens = edited
+                shares = None if shares is None else [shares[i] for i in origin]
+                self._planned_used = used
+        if found is not None:
+            bucket = STORE_BUCKET
+        elif from_cursor and cur is not None and cur.tentative:
+            bucket = CURSOR_BUCKET
+        else:
+            bucket = self._bucket_of(match)
+        self._planned_cursor = from_cursor
         if self.sizing == "ladder":
             return match, tokens, bucket, len(tokens), None
         accept = self._accept_probs(bucket, len(tokens))
@@ -717,6 +801,14 @@ class NgramCopySession(BaseDrafterSession):
         self.index = self._new_index(self._prompt_len)
         self.index.extend(tokens)
         self._dirty = False
+        d = self.drafter
+        if not d.cursor:
+            return
+        if self.cursor is None:
+            limit = self._prompt_len if d.source == "prompt" else None
+            self.cursor = CopyCursor(self.index.tokens, window=d.edit_window, limit=limit)
+        else:
+            self.cursor.rebind(self.index.tokens)
 
     def _sync(self, history: Sequence[int]) -> None:
         # Cheap checks only (length and boundary token): a full comparison would
@@ -728,7 +820,10 @@ class NgramCopySession(BaseDrafterSession):
             if n == have and (n == 0 or int(history[-1]) == toks[-1]):
                 return
             if n > have and (have == 0 or int(history[have - 1]) == toks[-1]):
-                self.index.extend(int(t) for t in history[have:])
+                new = [int(t) for t in history[have:]]
+                self.index.extend(new)
+                if self.cursor is not None:
+                    self.cursor.feed(have, new)
                 return
         self.resyncs += 1
         self._rebuild([int(t) for t in history])
@@ -755,6 +850,10 @@ class NgramCopySession(BaseDrafterSession):
         self.store_hits = 0
         self.store_proposed_tokens = 0
         self.store_accepted_tokens = 0
+        self.cursor_proposals = 0
+        self.edits_written = 0
+        self.edits_accepted = 0
+        self.edits_rejected = 0
 
 
 class _Tail:
