@@ -109,6 +109,8 @@ def trained_drafter(target, folder: Path, out: Path, prompts, *, steps: int = 15
         warmup=6,
         held_out=seqs[-1:],
         progress=lambda step, total, loss, held: losses.append(loss),
+        prompt_lengths=[len(p) for p in prompts],  # blocks on the answers only
+        held_out_prompt_lengths=[len(prompts[-1])],
     )
     save_dflash(out, module)
     return losses, result

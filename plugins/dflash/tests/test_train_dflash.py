@@ -82,6 +82,13 @@ def test_train_dflash_on_the_default_model_resume_and_draft_with_it(capsys, tmp_
     assert config["dflash_config"]["mask_token_id"] == 49151
     assert config["specdec_target"] == summary["target"]
     assert (out / "model.safetensors").is_file()
+    # the prompts' lengths go with the data: blocks are drawn on the answers only
+    data = json.loads((out / "train_data.json").read_text())
+    for k in ("train", "held_out"):
+        lengths = data[f"{k}_prompt_lengths"]
+        assert len(lengths) == len(data[k]) and all(
+            0 < n < len(s) for n, s in zip(lengths, data[k])
+        )
     # Resumable: the saved step and data are picked up; the shape must be the same.
     code, cap = run(capsys, "train-dflash", *common, "--steps", "6", "--resume")
     assert code == 0, cap.err

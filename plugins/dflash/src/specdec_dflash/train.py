@@ -213,13 +213,20 @@ class SequenceRecord:
         hidden: ``[S, H]`` float32: the final hidden states (after the final norm).
         top_ids: ``[S, c]``: the target's ``c`` most likely next tokens per position.
         top1: ``[S]``: its argmax per position.
+        first: the first anchor blocks are drawn from (the last prompt token's position:
+            blocks on the answer only, as SpecForge's loss mask; 0 when unknown).
     """
 
-    __slots__ = ("tokens", "features", "hidden", "top_ids", "top1")
+    __slots__ = ("tokens", "features", "hidden", "top_ids", "top1", "first")
 
-    def __init__(self, tokens, features, hidden, top_ids, top1) -> None:
+    def __init__(self, tokens, features, hidden, top_ids, top1, first: int = 0) -> None:
         self.tokens, self.features, self.hidden = tokens, features, hidden
         self.top_ids, self.top1 = top_ids, top1
+        self.first = first
+
+    def anchors(self) -> range:
+        """The positions a block may start at: ``first .. S - 2``."""
+        return range(self.first, int(self.tokens.shape[0]) - 1)
 
 
 def record_sequence(
@@ -415,17 +422,19 @@ class DFlashTrainer:
 
     def positions(self, records: Sequence[SequenceRecord], per_sequence: int = 64) -> list[float]:
         """Greedy acceptance per block position on ``records``: of blocks at up to
-        ``per_sequence`` evenly spread anchors per sequence, the share whose drafts
+        ``per_sequence`` evenly spread anchors per sequence (on its answer where the
+        prompt's length is known), the share whose drafts
         ``1 .. k`` all equal the target's argmax (``B - 1`` values)."""
         B = self.module.config.block_size
         reached = np.zeros(B - 1)
         accepted = np.zeros(B - 1)
         for rec in records:
             S = int(rec.tokens.shape[0])
-            if S < 2:
+            usable = rec.anchors()
+            if not len(usable):
                 continue
-            step = max(1, (S - 1) // per_sequence)
-            anchors = list(range(0, S - 1, step))[:per_sequence]
+            step = max(1, len(usable) // per_sequence)
+            anchors = list(usable[::step])[:per_sequence]
             hidden = _blocks(
                 self.module, self.embed, rec.features.astype(mx.float32), rec.tokens, anchors
             )
@@ -462,6 +471,8 @@ def train_dflash(
     checkpoint_every: int = 0,
     name: str = "train-dflash",
     on_prepare: Callable[[int, int], None] | None = None,
+    prompt_lengths: Sequence[int] | None = None,
+    held_out_prompt_lengths: Sequence[int] | None = None,
 ) -> dict:
     """Fit ``trainer.module`` to ``model``'s distribution over blocks of ``sequences``:
     ``specdec_train.train_head``'s arguments and result (a ``TrainCommand.train``).
@@ -472,7 +483,11 @@ def train_dflash(
     1. ``states`` and ``held_out_states`` (``specdec_train.Recorded``, as
     ``batch_answers`` records them with ``layers``) give what the target computed; a
     sequence without one (or without the outputs of the drafter's target layers) is
-    recorded here, one forward (``on_prepare(done, total)`` after each). A resumed run
+    recorded here, one forward (``on_prepare(done, total)`` after each).
+    ``prompt_lengths`` / ``held_out_prompt_lengths`` (how many leading tokens of each
+    sequence are its prompt, as ``run_training`` gives them) put the blocks on the answers
+    only, from the prompt's last token on (SpecForge's loss mask), in training and in the
+    acceptance figures; ``None``: anywhere. A resumed run
     (``start_step``) continues the seeded stream of minibatches, anchors and negatives
     (the first ``start_step`` steps' draws are replayed); the optimizer's moments start
     afresh, as ``train_head``'s do.
@@ -518,16 +533,21 @@ def train_dflash(
         )
     t_prepare = time.perf_counter()
     every = [
-        (list(s), None if sts is None else sts[i])
-        for group, sts in ((sequences, states), (held_out, held_out_states))
+        (list(s), None if sts is None else sts[i], 0 if lens is None else lens[i])
+        for group, sts, lens in (
+            (sequences, states, prompt_lengths),
+            (held_out, held_out_states, held_out_prompt_lengths),
+        )
         for i, s in enumerate(group)
         if len(s) >= 3
     ]
     records = []
-    for i, (s, st) in enumerate(every):
+    for i, (s, st, n_prompt) in enumerate(every):
         rec = from_recorded(s, st, trainer.layer_ids)
         if rec is None or int(rec.tokens.shape[0]) < 3:
             rec = record_sequence(model, s, trainer.layer_ids, top_k=candidates)
+        # blocks on the answer: the first anchor is the prompt's last token
+        rec.first = max(0, min(n_prompt - 1, int(rec.tokens.shape[0]) - 2))
         records.append(rec)
         if on_prepare is not None:
             on_prepare(i + 1, len(every))
@@ -553,8 +573,8 @@ def train_dflash(
                 order = list(range(len(data)))
                 rng.shuffle(order)
             rec = data[order.pop()]
-            usable = int(rec.tokens.shape[0]) - 1
-            batch.append((rec, sorted(rng.sample(range(usable), min(trainer.anchors, usable)))))
+            usable = rec.anchors()
+            batch.append((rec, sorted(rng.sample(usable, min(trainer.anchors, len(usable))))))
         negs = nprng.integers(0, vocab, size=negatives) if sampled and negatives else None
         if not sampled:
             return batch, None

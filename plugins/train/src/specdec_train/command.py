@@ -53,7 +53,9 @@ class TrainCommand:
             target's identity (:data:`specdec.checkpoints.TARGET_FIELD`) in its config.
         usage: ``usage(out)``: what to print on stdout at the end (how to use the head).
         train: the training loop, called as :func:`specdec_train.train_head` is (the same
-            arguments, the same keys in the dict it returns; keys of its own go to the
+            arguments, plus ``prompt_lengths`` and ``held_out_prompt_lengths``: how many
+            leading tokens of each sequence are its prompt, ``None`` for the data of an
+            older run; the same keys in the dict it returns, keys of its own go to the
             summary too); ``None``: :func:`train_head`. For a head that does not learn
             ``x[t+2]`` from the target's state at ``t+1`` (a DFlash drafter learns
             blocks).
@@ -252,6 +254,17 @@ def _read_data(path: str) -> dict:
             f"--data {path!r} is not a train_data.json: it needs non-empty 'train' and "
             "'held_out' lists of token-id lists"
         )
+    for k in ("train", "held_out"):
+        lengths = data.get(f"{k}_prompt_lengths")
+        if lengths is not None and not (
+            isinstance(lengths, list)
+            and len(lengths) == len(data[k])
+            and all(isinstance(n, int) and 0 <= n <= len(s) for n, s in zip(lengths, data[k]))
+        ):
+            raise TrainError(
+                f"--data {path!r}: {k}_prompt_lengths must give one prompt length (0 .. the "
+                f"sequence's length) per sequence of {k!r}"
+            )
     return data
 
 
@@ -369,12 +382,16 @@ def _make_data(
     bar.close()
     train = [s for group in answers[:-n_held] for s in group]
     held = [s for group in answers[-n_held:] for s in group]
+    lengths = [len(p) for p, group in zip(prompts, answers) for _ in group]
     data = {
         "train": train,
         "held_out": held,
         "prompts": len(prompts),
         "held_out_prompts": n_held,
         "held_out_prompt_ids": prompts[-n_held:],
+        # how many leading tokens of each sequence are its prompt (specdec-train 0.1.1)
+        "train_prompt_lengths": lengths[: len(train)],
+        "held_out_prompt_lengths": lengths[len(train) :],
     }
     # The target's states over the training text, recorded while it wrote it (not saved:
     # --resume computes them again).
@@ -498,6 +515,14 @@ def run_training(args: Any, command: TrainCommand) -> int:
             checkpoint=save,
             checkpoint_every=args.save_every,
             name=command.name,
+            **(
+                {
+                    "prompt_lengths": data.get("train_prompt_lengths"),
+                    "held_out_prompt_lengths": data.get("held_out_prompt_lengths"),
+                }
+                if command.train is not None
+                else {}
+            ),
         )
     except ValueError as exc:  # e.g. no sequence long enough to train on
         raise TrainError(str(exc)) from exc
