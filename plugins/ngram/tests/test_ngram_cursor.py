@@ -197,3 +197,39 @@ def test_the_session_rebinds_the_cursor_on_a_resync():
     assert s.stats()["resyncs"] == 1
     assert s.cursor._toks is s.index.tokens
     assert create_ngram_copy(cursor=False).session(request_context(source)).cursor is None
+
+
+def test_a_rejection_at_the_blocks_end_counts_and_a_retired_rule_returns():
+    cur = follow(SRC, SRC[:5] + [7, 8] + SRC[6:12])
+    (rule,) = cur.rules.values()
+    _, _, used = cur.apply(102, [103, 104, 105], 3)  # the block ends inside the rule
+    assert used[0][0] == 2
+    assert CopyCursor.score(used, 2, 3) == (0, 1)  # 7 rejected: counted
+    assert not rule.active
+    # the cursor confirms the same edit at a later occurrence: the rule is back
+    toks = list(SRC) + SRC[:5] + [7, 8] + SRC[6:12]
+    cur._toks = toks
+    cur.seat(0, 8, len(toks))
+    for t in SRC[:5] + [7, 8] + SRC[6:12]:
+        toks.append(t)
+        cur.feed(len(toks) - 1, [t])
+    assert rule.hits == 1 and rule.active and len(cur.rules) == 1
+
+
+def test_rules_that_would_repeat_themselves_are_not_kept_and_learning_can_be_off():
+    # 105 written as 7, 105, 8: the new tokens contain the old one
+    cur = follow(SRC, SRC[:5] + [7, 105, 8] + SRC[6:12])
+    assert cur.confirmed >= 1 and not [r for r in cur.rules.values() if not r.context]
+    off = follow(SRC, SRC[:5] + [7, 8] + SRC[6:12], learn=False)
+    assert off.confirmed == 1 and not off.rules and off.pos == 12
+
+
+def test_source_prompt_never_copies_past_the_limit():
+    toks = list(SRC)
+    cur = CopyCursor(toks, limit=20)
+    cur.seat(10, 8, len(toks))
+    for t in SRC[10:19] + [SRC[19]]:
+        toks.append(t)
+        cur.feed(len(toks) - 1, [t])
+    assert cur.pos is None  # reached the limit: the place is given up
+    assert cur.continuation(4) == []

@@ -17,7 +17,7 @@ from .drafter import DEFAULTS, NgramCopyDrafter, NgramCopySession, create_ngram_
 from .index import NgramIndex, NgramMatch
 from .store import CopyStore, CopyStoreError, StoreMatch
 
-__version__ = "0.5.0"
+__version__ = "0.4.3"
 
 __all__ = [
     "DEFAULTS",

@@ -17,13 +17,15 @@ token:
   resumed tokens wins, then the shortest edit. A tentative alignment that
   breaks before ``confirm`` tokens is searched again from the same ``div``; one
   that reaches ``confirm`` tokens ends the edit.
-- *Learnt edits*: a confirmed edit that replaced source tokens (``old``, not
-  empty) by other tokens (``new``) is kept as a rule, and :meth:`apply` writes
+- *Learnt edits*: a confirmed edit that replaced source tokens (``old``) by
+  other tokens (``new``) is kept as a rule (:class:`EditRule`; an insertion or
+  a deletion with a token of context on each side), and :meth:`apply` writes
   ``new`` wherever ``old`` occurs in a copied continuation: an identifier
   renamed everywhere is proposed renamed from its second occurrence on, and
   the block does not break there. Each rule counts how often a block that
-  used it was accepted through the replacement (``hits``) or rejected inside it
-  (``misses``); a rule with more misses than hits is no longer applied.
+  used it was accepted through the replacement (``hits``, and each time the same
+  edit is confirmed again) or rejected inside it (``misses``); a rule with more
+  misses than hits is not applied.
   This is the "speculative edits" idea (Cursor's blog post on fast apply:
   draft the original text and let the model diverge where it edits) with the
   edit itself learnt from the first occurrence, as a diff is.
@@ -37,11 +39,20 @@ from collections.abc import Sequence
 
 __all__ = ["CopyCursor", "EditRule"]
 
+
+def _contains(seq: tuple[int, ...], part: tuple[int, ...]) -> bool:
+    k = len(part)
+    return any(seq[i : i + k] == part for i in range(len(seq) - k + 1))
+
+
 #: An alignment resumed by two tokens is taken after an edit of at most this many
 #: tokens (either side), by one token after half as many; a longer edit needs three.
 SHORT_EDIT = 4
 #: The longest edit (either side) learnt as a rule.
 MAX_RULE = 8
+#: The most of the run before an edit that a confirmed alignment carries on (so that
+#: an alignment confirmed by chance does not outweigh every index match for long).
+INHERIT = 32
 
 
 class EditRule:
@@ -84,6 +95,7 @@ class CopyCursor:
         max_rules: the most edit rules kept (the oldest is dropped first).
         seat_len: an index match at least this long moves a cursor that is searching
             after an edit (see :meth:`choose`).
+        learn: keep confirmed edits as rules (``False``: follow the place only).
     """
 
     def __init__(
@@ -95,9 +107,11 @@ class CopyCursor:
         limit: int | None = None,
         max_rules: int = 64,
         seat_len: int = 4,
+        learn: bool = True,
     ) -> None:
         self._toks = tokens
         self.seat_len = seat_len
+        self.learn = learn
         self.window = window
         self.confirm = confirm
         self.limit = limit
@@ -160,6 +174,10 @@ class CopyCursor:
         mpos, mlen = match
         if self.pos is not None:
             if mpos == self.pos:
+                return False
+            if mlen <= self.run and not self.continuation(1):
+                self.lose()  # nothing left to copy from this place
+                self.seat(mpos, mlen, at)
                 return False
             if mlen <= self.run:
                 return True
@@ -255,6 +273,8 @@ class CopyCursor:
                 continue  # one or two tokens are evidence enough only after a short edit
             if r > best_r:
                 best_r, best_q = r, q
+                if r == n:
+                    break  # every token since the departure: nothing can beat it
         if best_r:
             if self.pos is None:
                 self.realigned += 1
@@ -262,6 +282,8 @@ class CopyCursor:
             self.run = best_r  # the run before the edit counts once it is confirmed
             if best_r >= self.confirm:
                 self._learn(n - best_r)
+            if self.limit is not None and best_q >= self.limit:
+                self.lose()  # aligned at the end of what may be copied: nothing to copy
         else:
             self.pos, self.resumed = None, 0
 
@@ -275,7 +297,7 @@ class CopyCursor:
         toks = self._toks
         written = self.ins[:a]
         self.confirmed += 1
-        self.run += self._pre
+        self.run += min(self._pre, INHERIT)
         self.div, self.ins, self.resumed = None, [], 0
         if max(a, d) > MAX_RULE:
             return
@@ -287,15 +309,30 @@ class CopyCursor:
             new = (toks[div - 1], *written, toks[div + d])
         else:
             old, new = tuple(toks[div : div + d]), tuple(written)
-        if old == new or old in self.rules:
+        if old == new or not self.learn:
             return
-        if len(self.rules) >= self.max_rules:
-            first = next(iter(self.rules))
-            dropped = self.rules.pop(first)
-            self._first[first[0]].remove(dropped)
+        have = self.rules.get(old)
+        if have is not None and have.new == new:
+            have.hits += 1  # the same edit again: evidence for it (a retired rule returns)
+            return
+        if not context and _contains(new, old):
+            return  # written again into copies of the edited text, it would repeat
+        if have is not None:
+            self._drop(old)  # the same tokens edited otherwise: the newer edit counts
+        elif len(self.rules) >= self.max_rules:
+            # the oldest of the retired rules, else the oldest
+            worst = next((o for o, r in self.rules.items() if not r.active), next(iter(self.rules)))
+            self._drop(worst)
         rule = EditRule(old, new, context)
         self.rules[old] = rule
         self._first.setdefault(old[0], []).append(rule)
+
+    def _drop(self, old: tuple[int, ...]) -> None:
+        rule = self.rules.pop(old)
+        first = self._first[old[0]]
+        first.remove(rule)
+        if not first:
+            del self._first[old[0]]
 
     # -- copying -------------------------------------------------------------------
 
@@ -359,14 +396,13 @@ class CopyCursor:
         for offset, rule in used:
             # ``offset``: the first token after the rule's leading context; the block
             # went through the replacement once its tokens (and its trailing context)
-            # were accepted
+            # were accepted; it was rejected inside it where it was rejected before that
+            # end, within the block
             end = offset + len(rule.new) - int(rule.context)
-            if end > proposed:
-                continue  # the block did not reach the end of the replacement
-            if accepted >= end:
+            if end <= proposed and accepted >= end:
                 rule.hits += 1
                 hits += 1
-            elif accepted >= offset:
+            elif offset <= accepted < min(end, proposed):
                 rule.misses += 1
                 misses += 1
         return hits, misses

@@ -522,7 +522,11 @@ class NgramCopySession(BaseDrafterSession):
         learn from (``learn``; ``scoring``: continuations being scored now,
         ``continuations_scored``: resolved so far), the acceptance
         estimates per match-length bucket (and ``"store"``), and the cross-request
-        store's hits, proposed and accepted tokens and size (as this request saw it)."""
+        store's hits, proposed and accepted tokens and size (as this request saw it);
+        and the cursor's: blocks copied from its place, edits found, confirmed and
+        places lost, rules learnt (retired ones included) and their uses written,
+        accepted through and rejected inside (the ``cursor`` bucket holds the
+        estimates of copies from a tentative place)."""
         names = [f"match>={b}" for b in MATCH_BUCKETS] + ["realigned", "store", "cursor"]
         store = self.drafter.store
         return {
@@ -598,7 +602,7 @@ class NgramCopySession(BaseDrafterSession):
         ):
             assert cur.pos is not None
             from_cursor = True
-            match = NgramMatch(cur.pos, cur.run, 0)
+            match = NgramMatch(cur.pos, min(cur.run, self.index.max_extend), 0)
         if match is None:
             if d.store is None:
                 return None
@@ -806,7 +810,9 @@ class NgramCopySession(BaseDrafterSession):
             return
         if self.cursor is None:
             limit = self._prompt_len if d.source == "prompt" else None
-            self.cursor = CopyCursor(self.index.tokens, window=d.edit_window, limit=limit)
+            self.cursor = CopyCursor(
+                self.index.tokens, window=d.edit_window, limit=limit, learn=d.learn_edits
+            )
         else:
             self.cursor.rebind(self.index.tokens)
 
