@@ -88,11 +88,13 @@ class CopyCursor:
         tokens: the indexed sequence (the index's own list: read, never written);
             committed tokens are appended to it before :meth:`feed` sees them.
         window: the longest edit searched for, in source tokens replaced and in
-            output tokens written instead; an edit longer than that loses the place.
+            output tokens written instead; once more than ``2 * window + confirm``
+            tokens were written since the departure, the place is lost.
         confirm: tokens that must follow a realignment before it counts (and its
             edit is learnt).
         limit: copies come only from positions below it (``None``: anywhere).
-        max_rules: the most edit rules kept (the oldest is dropped first).
+        max_rules: the most edit rules kept (the oldest retired one is dropped first,
+            else the oldest).
         seat_len: an index match at least this long moves a cursor that is searching
             after an edit (see :meth:`choose`).
         learn: keep confirmed edits as rules (``False``: follow the place only).
@@ -135,11 +137,6 @@ class CopyCursor:
         self.at: int | None = None  # the position of the next token fed
 
     # -- state ---------------------------------------------------------------------
-
-    @property
-    def aligned(self) -> bool:
-        """The cursor knows the next source position."""
-        return self.pos is not None
 
     @property
     def tentative(self) -> bool:

@@ -475,12 +475,9 @@ class NgramCopySession(BaseDrafterSession):
             return
         have = len(self.index)
         start = result.start_position
-        cur = self.cursor
         if start <= 0 and have > 0:
             # The position is unknown: assume the round follows what is indexed.
-            self.index.extend(committed)
-            if cur is not None:
-                cur.feed(have, committed)
+            self._extend(committed)
             return
         if start > have:
             return  # a gap: propose() catches up from the history
@@ -488,9 +485,7 @@ class NgramCopySession(BaseDrafterSession):
         if overlap and list(committed[:overlap]) != self.index.tokens[start : start + overlap]:
             self._dirty = True  # disagrees with what was indexed: re-index at propose()
             return
-        self.index.extend(committed[overlap:])
-        if cur is not None and cur.at is not None and start <= cur.at < start + len(committed):
-            cur.feed(cur.at, committed[cur.at - start :])
+        self._extend(committed[overlap:])
 
     def end(self) -> None:
         """Add the request's output (the tokens after the prompt) to the store, if
@@ -816,6 +811,13 @@ class NgramCopySession(BaseDrafterSession):
         else:
             self.cursor.rebind(self.index.tokens)
 
+    def _extend(self, tokens: Sequence[int]) -> None:
+        """Index ``tokens`` after what is indexed, and let the cursor follow them."""
+        have = len(self.index)
+        self.index.extend(tokens)
+        if self.cursor is not None:
+            self.cursor.feed(have, tokens)
+
     def _sync(self, history: Sequence[int]) -> None:
         # Cheap checks only (length and boundary token): a full comparison would
         # rescan the context every round.
@@ -826,10 +828,7 @@ class NgramCopySession(BaseDrafterSession):
             if n == have and (n == 0 or int(history[-1]) == toks[-1]):
                 return
             if n > have and (have == 0 or int(history[have - 1]) == toks[-1]):
-                new = [int(t) for t in history[have:]]
-                self.index.extend(new)
-                if self.cursor is not None:
-                    self.cursor.feed(have, new)
+                self._extend([int(t) for t in history[have:]])
                 return
         self.resyncs += 1
         self._rebuild([int(t) for t in history])
